@@ -1,0 +1,48 @@
+# The two commands of the README:
+#   make serve   install into .venv, then run the server on the built-in `demo` model
+#   make test    install into .venv (with dev extras and test system packages), then run the tests
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8998
+# The CPU build of torch that this project is tested with; a plain `torch` would pull a CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install install-dev system-deps serve test lint bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e .
+
+install-dev: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[dev]"
+
+# Debian packages the tests use: libopus (codec), chromium (browser test), espeak-ng + sox (speech fixtures).
+system-deps:
+	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		missing=""; \
+		for p in libopus0 chromium chromium-driver espeak-ng sox; do \
+			dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; \
+		done; \
+		if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi; \
+	else echo "system-deps: not root on Debian; install libopus0 chromium espeak-ng sox yourself"; fi
+
+serve: install
+	$(BIN)/personaplex-voice serve --model demo --host $(HOST) --port $(PORT)
+
+test: install-dev system-deps
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: install-dev
+	$(BIN)/python bench/engine_step.py --model ../shared/golden

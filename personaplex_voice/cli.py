@@ -1,0 +1,98 @@
+"""`personaplex-voice` command line: one Typer app, each command implemented next to what it drives.
+
+| command          | implemented in                                   |
+| ---------------- | ------------------------------------------------ |
+| `serve`          | `personaplex_voice.server.command.serve`         |
+| `offline`        | `personaplex_voice.offline.offline`              |
+| `voices list/make` | `personaplex_voice.voices_cli.app`             |
+| `call`           | `personaplex_twilio.cli.call` (needs the `twilio` extra) |
+
+Errors meant for the user are raised as `personaplex_voice.errors.UserError` and printed as one
+line (no traceback unless `--debug` / `PERSONAPLEX_DEBUG=1`), exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from personaplex_voice.errors import UserError
+
+app = typer.Typer(
+    name="personaplex-voice",
+    help="Full-duplex PersonaPlex speech-to-speech on phone lines, Pipecat and the browser.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _load(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _register_command(name: str, target: str) -> None:
+    try:
+        func: Callable[..., Any] = _load(target)
+    except ImportError as exc:  # an optional extra is not installed
+        missing = exc.name or str(exc)
+
+        def unavailable() -> None:
+            raise UserError(f"`{name}` needs an optional dependency that is not installed ({missing})")
+
+        app.command(name, help=f"(unavailable: {missing} not installed)")(unavailable)
+        return
+    app.command(name)(func)
+
+
+def _register_group(name: str, target: str) -> None:
+    try:
+        sub: typer.Typer = _load(target)
+    except ImportError:
+        return
+    app.add_typer(sub, name=name)
+
+
+_register_command("serve", "personaplex_voice.server.command:serve")
+_register_command("offline", "personaplex_voice.offline:offline")
+_register_group("voices", "personaplex_voice.voices_cli:app")
+_register_command("call", "personaplex_twilio.cli:call")
+
+
+def main(argv: list[str] | None = None) -> None:
+    debug = os.environ.get("PERSONAPLEX_DEBUG", "") not in ("", "0")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:
+        args.remove("--debug")
+        debug = True
+    try:
+        app(args=args, standalone_mode=False)
+    except UserError as exc:
+        if debug:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # click usage errors carry their own exit codes
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Shared test fixtures. Area-specific helpers live in tests/support_*.py modules."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# The golden vectors are never copied into the project: CI lays shared/ beside the checkout.
+GOLDEN_DIR = Path(os.environ.get("PERSONAPLEX_GOLDEN", ROOT.parent / "shared" / "golden"))
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    if not (GOLDEN_DIR / "config.json").exists():
+        pytest.fail(f"golden vectors not found at {GOLDEN_DIR} (expected ../shared/golden)")
+    return GOLDEN_DIR
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    path = ROOT / "artifacts"
+    path.mkdir(exist_ok=True)
+    return path
