@@ -7,8 +7,9 @@
 | `voices list/make` | `personaplex_voice.voices_cli.app`             |
 | `call`           | `personaplex_twilio.cli.call` (needs the `twilio` extra) |
 
-Errors meant for the user are raised as `personaplex_voice.errors.UserError` and printed as one
-line (no traceback unless `--debug` / `PERSONAPLEX_DEBUG=1`), exit code 2.
+Errors meant for the user are raised as `personaplex_voice.errors.UserError` (or the engine's
+`EngineError`s: unknown voice, bad prompt...) and printed as one line (no traceback unless
+`--debug` / `PERSONAPLEX_DEBUG=1`), exit code 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import typer
 
+from personaplex_voice.engine.base import EngineError
 from personaplex_voice.errors import UserError
 
 app = typer.Typer(
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         debug = True
     try:
         app(args=args, standalone_mode=False)
-    except UserError as exc:
+    except (UserError, EngineError) as exc:
         if debug:
             raise
         typer.echo(f"error: {exc}", err=True)

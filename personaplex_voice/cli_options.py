@@ -1,0 +1,81 @@
+"""Typer options shared by every command that loads a model (`offline`, `voices`, `serve`...).
+
+Use them as parameter annotations so `--model` and the per-file overrides read the same in
+every command:
+
+    def serve(model: ModelOpt = DEFAULT_MODEL, moshi_weight: MoshiWeightOpt = None, ...):
+        build_engine(model, **source_overrides(moshi_weight, mimi_weight, tokenizer, voice_prompt_dir))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from personaplex_voice.errors import UserError
+from personaplex_voice.model.sources import DEFAULT_REPO
+
+DEFAULT_MODEL = DEFAULT_REPO
+
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        help="'demo' (tiny random model, babbles), a model directory, or a Hugging Face repo id.",
+    ),
+]
+MoshiWeightOpt = Annotated[
+    Path | None, typer.Option("--moshi-weight", help="Local LM weights file (replaces the model's).")
+]
+MimiWeightOpt = Annotated[
+    Path | None, typer.Option("--mimi-weight", help="Local Mimi weights file (replaces the model's).")
+]
+TokenizerOpt = Annotated[
+    Path | None, typer.Option("--tokenizer", help="Local SentencePiece tokenizer (replaces the model's).")
+]
+VoiceDirOpt = Annotated[
+    Path | None,
+    typer.Option("--voice-prompt-dir", help="Directory of voice prompts (replaces the model's voices)."),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda, cuda:1...")]
+DtypeOpt = Annotated[
+    str,
+    typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."),
+]
+
+
+def source_overrides(
+    moshi_weight: Path | None = None,
+    mimi_weight: Path | None = None,
+    tokenizer: Path | None = None,
+    voice_prompt_dir: Path | None = None,
+) -> dict[str, Any]:
+    """The per-file overrides as `build_engine` / `resolve_model` keywords."""
+    return {
+        "moshi_weight": moshi_weight,
+        "mimi_weight": mimi_weight,
+        "tokenizer": tokenizer,
+        "voice_prompt_dir": voice_prompt_dir,
+    }
+
+
+def parse_dtype(name: str | None) -> Any:
+    """`--dtype` to a torch dtype; None for auto (the engine picks per device)."""
+    if name is None or name == "auto":
+        return None
+    import torch
+
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise UserError(f"--dtype {name}: choose one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def print_demo_notice(model: str) -> None:
+    """Say plainly, on stderr, that the demo model babbles."""
+    if model == "demo":
+        from personaplex_voice.engine.demo import DEMO_NOTICE
+
+        typer.echo(f"note: {DEMO_NOTICE}", err=True)

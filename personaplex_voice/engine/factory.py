@@ -1,0 +1,72 @@
+"""Build the engine a command asked for: the real model from any source, or the echo engine.
+
+The server, the Pipecat bridge and the offline CLI all call `build_engine`, so `--model` means
+the same everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from personaplex_voice.engine.base import Engine
+from personaplex_voice.errors import UserError
+
+ENGINE_KINDS = ("model", "echo")
+# resolve_model's keyword arguments; everything else in **overrides goes to the engine.
+_SOURCE_OPTIONS = ("moshi_weight", "mimi_weight", "tokenizer", "voice_prompt_dir", "hf_repo")
+
+
+def build_engine(
+    model: str | os.PathLike[str] | None = "demo",
+    *,
+    engine: str = "model",
+    num_slots: int = 1,
+    device: str = "cpu",
+    dtype: Any = None,
+    **overrides: Any,
+) -> Engine:
+    """An `Engine` with `num_slots` batch slots.
+
+    `model`: "demo", a model directory or a hub repo id (see `model/sources.py`).
+    `engine`: "model" (PersonaPlexEngine) or "echo" (LoopbackEngine: numpy only, `model` unused).
+    `overrides`: per-file paths (`moshi_weight`, `mimi_weight`, `tokenizer`, `voice_prompt_dir`,
+    `hf_repo`); any other keyword is passed on to `PersonaPlexEngine`.
+    Raises `UserError` for anything the user can fix.
+    """
+    if num_slots < 1:
+        raise UserError(f"num_slots must be at least 1, got {num_slots}")
+    if engine == "echo":
+        from personaplex_voice.engine.loopback import LoopbackEngine
+
+        return LoopbackEngine(num_slots=num_slots)
+    if engine != "model":
+        raise UserError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
+
+    from personaplex_voice.model.sources import resolve_model
+
+    source_options = {k: overrides.pop(k) for k in _SOURCE_OPTIONS if k in overrides}
+    files = resolve_model(model, **source_options)
+    device = _check_device(device)
+
+    from personaplex_voice.engine.generator import PersonaPlexEngine
+
+    if files.is_demo:
+        from personaplex_voice.engine.demo import seeded_weights
+
+        # Random init under a fixed seed: the demo babbles the same way on every start.
+        with seeded_weights(device):
+            return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
+    return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device}: not a torch device (try cpu or cuda)") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    return device
