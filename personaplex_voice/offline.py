@@ -19,6 +19,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from personaplex_voice.audio.io import read_audio, write_wav
 from personaplex_voice.cli_options import (
     DEFAULT_MODEL,
     DeviceOpt,
@@ -93,7 +94,7 @@ def read_input_audio(path: Path) -> np.ndarray:
     """The user audio as float32 mono at 24 kHz; `UserError` naming the file when unreadable."""
     if not path.is_file():
         raise UserError(f"{path}: no such audio file")
-    pcm = _read_audio(path)
+    pcm = read_audio(path, SAMPLE_RATE)
     if pcm.size == 0:
         raise UserError(f"{path}: the audio file holds no samples")
     return np.ascontiguousarray(pcm, dtype=np.float32)
@@ -104,7 +105,7 @@ def write_outputs(wav_path: Path, text_path: Path, pcm: np.ndarray, pieces: list
         if not path.parent.is_dir():
             raise UserError(f"{path}: the output directory {path.parent} does not exist")
     try:
-        _write_wav(wav_path, pcm)
+        write_wav(wav_path, pcm, SAMPLE_RATE, subtype="FLOAT")
         text_path.write_text(json.dumps(pieces, ensure_ascii=False), encoding="utf-8")
     except OSError as exc:
         raise UserError(f"cannot write the output: {exc}") from None
@@ -123,34 +124,6 @@ def voice_option(voice: str | None, voice_prompt_dir: Path | None) -> tuple[str 
             "--voice-prompt is a path outside --voice-prompt-dir: give a name or drop the directory"
         )
     return path.name, path.parent
-
-
-def _read_audio(path: Path) -> np.ndarray:
-    try:
-        from personaplex_voice.audio.io import read_audio
-    except ImportError:  # the audio package's reader not there yet: soundfile + soxr
-        return _read_audio_fallback(path)
-    return read_audio(path, SAMPLE_RATE)
-
-
-def _read_audio_fallback(path: Path) -> np.ndarray:
-    import soundfile as sf
-    import soxr
-
-    try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise UserError(f"{path}: unreadable audio file ({exc})") from None
-    mono = data.mean(axis=1)
-    if rate != SAMPLE_RATE:
-        mono = soxr.resample(mono, rate, SAMPLE_RATE)
-    return mono.astype(np.float32)
-
-
-def _write_wav(path: Path, pcm: np.ndarray) -> None:
-    import soundfile as sf
-
-    sf.write(str(path), pcm, SAMPLE_RATE, subtype="FLOAT")
 
 
 InputOpt = Annotated[
