@@ -1,0 +1,162 @@
+"""Sample-rate conversion: a low-delay streaming resampler for live audio, and a one-shot one for files.
+
+Live audio (phone calls at 8 kHz, the engine at 24 kHz) goes through :class:`StreamingResampler`, a
+polyphase FIR whose prototype filter is designed here for *low delay*, not linear phase: a
+least-squares fit to ``gain * exp(-j w D)`` over the passband and to zero over the stopband, with
+``D`` (1.5 ms for the telephone band) far shorter than half the filter length. The phase stays
+linear to within a few microseconds of group delay over the passband, yet the filter holds audio back
+only ``D``, where a linear-phase filter of the same selectivity would hold it back ~5 ms and soxr's
+streaming mode 100+ ms (see docs/audio.md for the measurements behind this choice).
+
+Files go through :func:`resample` (soxr, very high quality, delay-compensated): there the delay does
+not matter and arbitrary rate pairs (44.1 kHz) do.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import soxr
+
+__all__ = ["StreamingResampler", "design_lowdelay_lowpass", "resample"]
+
+# Filter shape for a conversion whose lower rate is 8 kHz; other rates scale it in time by
+# 8000 / lower_rate (a 16 kHz pair gets half the delay and half the duration, same rejection).
+_PASS_FRACTION = 0.85  # passband edge as a fraction of the lower Nyquist: 3400 Hz of 4000 Hz
+_DELAY_S_AT_8K = 1.5e-3  # group delay over the passband
+_LENGTH_S_AT_8K = 10.75e-3  # filter duration: sets the stopband rejection (~70 dB)
+_STOP_WEIGHT = 10.0  # stopband vs passband weight in the least-squares fit
+_MAX_PHASES = 12  # interpolation factor limit; other ratios belong to the one-shot resample()
+
+
+@functools.lru_cache(maxsize=32)
+def design_lowdelay_lowpass(
+    high_rate: int, pass_hz: float, stop_hz: float, num_taps: int, delay: float, gain: float
+) -> np.ndarray:
+    """Real FIR taps (float64) minimising the weighted squared error to ``gain*exp(-j w delay)`` on
+    [0, pass_hz] and to 0 on [stop_hz, high_rate/2]; ``delay`` in samples of ``high_rate``.
+
+    The error integrals have closed forms, so the normal equations (a Toeplitz Gram matrix of
+    sinc-like terms) are built exactly and solved directly: milliseconds, no frequency grid.
+    """
+    wp = 2 * math.pi * pass_hz / high_rate
+    ws = 2 * math.pi * stop_hz / high_rate
+
+    def cos_integral(a: float, b: float, n: np.ndarray) -> np.ndarray:
+        # integral of cos(w n) for w in [a, b], element-wise in n (n may be fractional or zero)
+        out = np.empty_like(n, dtype=np.float64)
+        small = np.abs(n) < 1e-12
+        nz = n[~small]
+        out[~small] = (np.sin(b * nz) - np.sin(a * nz)) / nz
+        out[small] = b - a
+        return out
+
+    lags = np.arange(num_taps, dtype=np.float64)
+    gram_row = cos_integral(0.0, wp, lags) + _STOP_WEIGHT * cos_integral(ws, math.pi, lags)
+    idx = np.arange(num_taps)
+    gram = gram_row[np.abs(idx[:, None] - idx[None, :])]
+    target = gain * cos_integral(0.0, wp, lags - delay)
+    return np.linalg.solve(gram, target)
+
+
+class StreamingResampler:
+    """Converts a mono float32 stream between rates whose ratio reduces to small integers
+    (8, 16, 24, 48 kHz in any direction), chunk by chunk, with about 1.5 ms of delay at 8 kHz.
+
+    The output depends only on the concatenated input, never on how it was chunked: output sample
+    ``n`` is computed from the same taps and inputs, in the same order, whatever the chunk sizes.
+    After ``k`` input samples in total it has produced ``ceil(k * out_rate / in_rate)`` samples.
+    """
+
+    def __init__(self, in_rate: int, out_rate: int) -> None:
+        if in_rate <= 0 or out_rate <= 0:
+            raise ValueError(f"sample rates must be positive, got {in_rate} -> {out_rate}")
+        g = math.gcd(in_rate, out_rate)
+        self.in_rate, self.out_rate = in_rate, out_rate
+        self._up, self._down = out_rate // g, in_rate // g
+        if max(self._up, self._down) > _MAX_PHASES:
+            raise ValueError(
+                f"streaming resampling {in_rate} -> {out_rate} Hz needs a ratio of small integers "
+                f"(8/16/24/48 kHz); use resample() for whole signals"
+            )
+        if self._up == self._down:  # same rate: a copy, no delay
+            self._taps_by_phase = np.ones((1, 1))
+            self._delay_high = 0.0
+        else:
+            lower = min(in_rate, out_rate)
+            high = in_rate * self._up  # the rate of the zero-stuffed signal the prototype filters
+            scale = 8000.0 / lower
+            self._delay_high = _DELAY_S_AT_8K * scale * high
+            per_phase = math.ceil(_LENGTH_S_AT_8K * scale * high / self._up)
+            taps = design_lowdelay_lowpass(
+                high,
+                _PASS_FRACTION * lower / 2,
+                lower / 2,
+                per_phase * self._up,
+                self._delay_high,
+                float(self._up),
+            )
+            # Phase p holds taps p, p+L, p+2L, ..., reversed so that they line up with a window of
+            # the input in time order (oldest first).
+            self._taps_by_phase = taps.reshape(per_phase, self._up).T[:, ::-1].copy()
+        self._window = self._taps_by_phase.shape[1]
+        self.reset()
+
+    @property
+    def delay_samples(self) -> float:
+        """Group delay over the passband, in output samples."""
+        return self._delay_high / self._down
+
+    @property
+    def delay_seconds(self) -> float:
+        return self.delay_samples / self.out_rate
+
+    def reset(self) -> None:
+        """Forget all past input: the next sample starts a new stream (as if preceded by silence)."""
+        self._history = np.zeros(self._window - 1, dtype=np.float64)
+        self._consumed = 0  # input samples seen since the start
+        self._produced = 0  # output samples returned since the start
+
+    def process(self, x: np.ndarray) -> np.ndarray:
+        """Feed any number of input samples; returns every output sample they complete."""
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        buffer = np.concatenate([self._history, x])  # buffer[0] is input index _consumed - (window-1)
+        consumed = self._consumed + len(x)
+        total_out = -(-consumed * self._up // self._down)  # ceil
+        n = np.arange(self._produced, total_out, dtype=np.int64)
+        out = np.empty(len(n), dtype=np.float64)
+        if len(n):
+            high_index = n * self._down
+            phase = high_index % self._up
+            newest = high_index // self._up  # newest input sample that output n depends on
+            first = newest - self._consumed  # start of its window in `buffer`
+            windows = np.lib.stride_tricks.sliding_window_view(buffer, self._window)
+            for p in range(self._up):
+                sel = phase == p
+                if sel.any():
+                    # An element-wise product summed along each row: the summation order is fixed
+                    # by the window length alone, which is what makes chunking invisible.
+                    out[sel] = (windows[first[sel]] * self._taps_by_phase[p]).sum(axis=1)
+        self._history = buffer[len(buffer) - (self._window - 1) :] if self._window > 1 else buffer[:0]
+        self._consumed, self._produced = consumed, total_out
+        return out.astype(np.float32)
+
+    def flush(self) -> np.ndarray:
+        """Returns the delayed tail of the stream (the filter run on silence), then resets."""
+        pad = math.ceil(self._delay_high / self._up) + 1 if self._delay_high else 0
+        tail = self.process(np.zeros(pad, dtype=np.float32))
+        self.reset()
+        return tail
+
+
+def resample(x: np.ndarray, in_rate: int, out_rate: int) -> np.ndarray:
+    """One-shot conversion of a whole mono signal between any two rates (soxr, very high quality,
+    its delay compensated). For files and prompts, not live streams."""
+    x = np.asarray(x, dtype=np.float32)
+    if in_rate == out_rate:
+        return x.copy()
+    if len(x) == 0:
+        return np.zeros(0, dtype=np.float32)
+    return np.asarray(soxr.resample(x, in_rate, out_rate, quality="VHQ"), dtype=np.float32)
