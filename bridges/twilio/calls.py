@@ -1,0 +1,101 @@
+"""Call control through Twilio's REST API: place outbound calls, hang calls up.
+
+The `twilio` client is synchronous (it blocks on HTTP), so the async helpers run it in a worker
+thread. Tests hand the client a fake `twilio.http.HttpClient`, the one boundary we mock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from urllib.parse import urlencode
+
+from personaplex_voice.errors import UserError
+from twilio.base.exceptions import TwilioException
+from twilio.http import HttpClient
+from twilio.rest import Client
+
+from .config import TwilioSettings
+
+log = logging.getLogger(__name__)
+
+VOICE_PATH = "/twilio/voice"
+STATUS_PATH = "/twilio/status"
+MEDIA_STREAM_PATH = "/twilio/media-stream"
+
+
+def voice_webhook_url(public_url: str, persona: str | None = None, outbound_token: str | None = None) -> str:
+    """Our voice webhook; a query string is fine here (unlike Stream URLs) and Twilio signs it."""
+    query = {k: v for k, v in (("persona", persona), ("outbound", outbound_token)) if v}
+    return public_url + VOICE_PATH + (("?" + urlencode(query)) if query else "")
+
+
+class CallControl:
+    """Places and ends calls. `available` is False without account credentials."""
+
+    def __init__(self, settings: TwilioSettings, http_client: HttpClient | None = None):
+        self.settings = settings
+        self._http_client = http_client
+        self._client: Client | None = None
+
+    @property
+    def available(self) -> bool:
+        return bool(self.settings.account_sid and self.settings.auth_token.get_secret_value())
+
+    @property
+    def client(self) -> Client:
+        if not self.available:
+            raise UserError("Twilio REST calls need TWILIO_ACCOUNT_SID and TWILIO_AUTH_TOKEN")
+        if self._client is None:
+            self._client = Client(
+                self.settings.account_sid,
+                self.settings.auth_token.get_secret_value(),
+                http_client=self._http_client,
+            )
+        return self._client
+
+    def place_call(
+        self,
+        to: str,
+        from_: str,
+        *,
+        persona: str | None = None,
+        outbound_token: str | None = None,
+        public_url: str | None = None,
+        time_limit_s: int | None = None,
+    ) -> str:
+        """Dial `to` from `from_`; when answered Twilio fetches our voice webhook. Returns the CallSid."""
+        base = (public_url or self.settings.public_url).rstrip("/")
+        if not base:
+            raise UserError("outbound calls need PUBLIC_URL (where Twilio reaches this server)")
+        limit = int(time_limit_s if time_limit_s is not None else self.settings.max_call_s)
+        try:
+            call = self.client.calls.create(
+                to=to,
+                from_=from_,
+                url=voice_webhook_url(base, persona, outbound_token),
+                method="POST",
+                status_callback=base + STATUS_PATH,
+                status_callback_method="POST",
+                status_callback_event=list(self.settings.status_callback_events),
+                time_limit=max(1, limit),
+            )
+        except TwilioException as exc:
+            raise UserError(f"Twilio refused the call: {exc}") from None
+        log.info("twilio: placed call %s to %s (persona %s)", call.sid, to, persona)
+        return str(call.sid)
+
+    def hang_up(self, call_sid: str) -> None:
+        """End a live call (status=completed); errors are logged, never raised."""
+        try:
+            self.client.calls(call_sid).update(status="completed")
+            log.info("twilio: hung up call %s", call_sid)
+        except (TwilioException, UserError) as exc:
+            log.warning("twilio: could not hang up %s: %s", call_sid, exc)
+
+    async def hang_up_async(self, call_sid: str) -> None:
+        if self.available:
+            await asyncio.to_thread(self.hang_up, call_sid)
+
+    async def place_call_async(self, to: str, from_: str, **kwargs: object) -> str:
+        return await asyncio.to_thread(lambda: self.place_call(to, from_, **kwargs))  # type: ignore[arg-type]

@@ -1,0 +1,71 @@
+"""Settings of the Twilio bridge, read from the environment.
+
+Twilio's own variables keep their standard names (`TWILIO_ACCOUNT_SID`, `TWILIO_AUTH_TOKEN`) and
+the public base URL is `PUBLIC_URL`, the name tunnels and PaaS hosts commonly set; everything
+else is `PERSONAPLEX_TWILIO_*`. Signature validation is on unless the explicitly named
+development flag `PERSONAPLEX_TWILIO_DEV_SKIP_SIGNATURE=1` is set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from personaplex_voice.errors import UserError
+
+
+class TwilioSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_TWILIO_", extra="ignore", populate_by_name=True)
+
+    account_sid: str = Field("", validation_alias=AliasChoices("TWILIO_ACCOUNT_SID", "account_sid"))
+    auth_token: SecretStr = Field(
+        SecretStr(""), validation_alias=AliasChoices("TWILIO_AUTH_TOKEN", "auth_token")
+    )
+    # Base URL Twilio reaches us at, e.g. https://abc.ngrok.app. Webhook signatures are checked
+    # against it (a proxy or tunnel rewrites the Host the server sees) and its scheme picks the
+    # Stream URL's: https -> wss, http -> ws. Empty: derived from each request (direct exposure only).
+    public_url: str = Field("", validation_alias=AliasChoices("PUBLIC_URL", "public_url"))
+    # Development only: accept unsigned webhooks and WebSocket upgrades.
+    dev_skip_signature: bool = False
+    # YAML/JSON file: named personas, called number -> persona, default persona.
+    personas_file: Path | None = None
+    # Bearer token that guards POST /twilio/call and GET /twilio/calls; empty disables both.
+    api_token: SecretStr = SecretStr("")
+
+    # Per-call limits. The caller is told goodbye by a hang-up via the REST API.
+    max_call_s: float = Field(900.0, gt=0)
+    idle_timeout_s: float = Field(20.0, gt=0)  # no message at all from Twilio for this long
+    ready_timeout_s: float = Field(15.0, gt=0)  # session admission + prompt prefill
+    stream_connect_timeout_s: float = Field(20.0, gt=0)  # webhook answered -> `start` received
+    # Outbound pacing: never let Twilio hold more than this much of our audio.
+    max_queued_ms: float = Field(100.0, ge=40.0, le=1000.0)
+    max_message_bytes: int = Field(64 * 1024, ge=1024)  # a 20 ms media message is ~250 bytes
+    # DTMF digits that hang the call up (e.g. "#"); every digit is logged as a session event.
+    hangup_digits: str = ""
+    busy_message: str = "Sorry, all our agents are busy right now. Please call again later."
+    status_callback_events: tuple[str, ...] = ("initiated", "ringing", "answered", "completed")
+
+    @field_validator("public_url")
+    @classmethod
+    def _check_public_url(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if value:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
+                raise ValueError(f"PUBLIC_URL must look like https://host[:port][/prefix], got {value!r}")
+        return value
+
+    @property
+    def validate_signatures(self) -> bool:
+        return not self.dev_skip_signature
+
+    def check(self) -> None:
+        """Refuse to run in a state where every Twilio request would be rejected or unsafe."""
+        if self.validate_signatures and not self.auth_token.get_secret_value():
+            raise UserError(
+                "the Twilio bridge needs TWILIO_AUTH_TOKEN to check request signatures "
+                "(for local development only: PERSONAPLEX_TWILIO_DEV_SKIP_SIGNATURE=1)"
+            )

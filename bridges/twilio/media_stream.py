@@ -1,0 +1,358 @@
+"""One phone call on the `/twilio/media-stream` WebSocket, bridged to one engine session.
+
+Twilio sends JSON text messages: `connected`, `start` (once), `media` (20 ms of base64 μ-law
+at 8 kHz), `mark` (echo of ours, once the audio before it has played), `dtmf`, `stop`. We send
+`media`, `mark` and `clear`. Two tasks run per call: the receive loop (this coroutine: parsing,
+inbound audio, limits) and the sender (session frames -> paced outbound media).
+
+Anything malformed closes this call's socket and frees its slot; nothing here can block another
+call (every wait has a timeout, every queue is the session's bounded one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from personaplex_voice.engine.base import CapacityError, EngineError, Persona
+
+from .audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
+from .pacing import CHUNK_S, FrameJitter, MarkTracker, PlaybackClock, monotonic, percentile
+
+if TYPE_CHECKING:
+    from .bridge import TwilioBridge
+
+log = logging.getLogger(__name__)
+
+SILENCE_CHUNK = b"\xff" * CHUNK_BYTES  # μ-law zero
+
+# WebSocket close codes (RFC 6455)
+CLOSE_NORMAL = 1000
+CLOSE_INVALID_DATA = 1007
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_ERROR = 1011
+
+
+class ProtocolError(Exception):
+    """The peer broke the Media Streams protocol; `code` is the WebSocket close code to use."""
+
+    def __init__(self, message: str, code: int = CLOSE_POLICY):
+        super().__init__(message)
+        self.code = code
+
+
+class CallEnded(Exception):
+    """The call ends for a reason we decided (limits, hang-up digit, session end)."""
+
+    def __init__(self, reason: str, hang_up: bool):
+        super().__init__(reason)
+        self.reason = reason
+        self.hang_up = hang_up
+
+
+def parse_message(raw: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """An ASGI websocket.receive message -> the JSON object Twilio sent."""
+    text = raw.get("text")
+    if text is None:
+        data = raw.get("bytes") or b""
+        if len(data) > max_bytes:
+            raise ProtocolError(f"message of {len(data)} bytes exceeds {max_bytes}", CLOSE_TOO_BIG)
+        raise ProtocolError("binary frames are not part of Media Streams", CLOSE_INVALID_DATA)
+    if len(text) > max_bytes:
+        raise ProtocolError(f"message of {len(text)} bytes exceeds {max_bytes}", CLOSE_TOO_BIG)
+    try:
+        message = json.loads(text)
+    except ValueError:
+        raise ProtocolError("message is not valid JSON", CLOSE_INVALID_DATA) from None
+    if not isinstance(message, dict) or not isinstance(message.get("event"), str):
+        raise ProtocolError("message is not a JSON object with an `event`", CLOSE_INVALID_DATA)
+    return message
+
+
+def _section(message: dict[str, Any], key: str) -> dict[str, Any]:
+    value = message.get(key)
+    if not isinstance(value, dict):
+        raise ProtocolError(f"`{message['event']}` message without a `{key}` object", CLOSE_INVALID_DATA)
+    return value
+
+
+class MediaStreamCall:
+    def __init__(self, ws: WebSocket, bridge: TwilioBridge):
+        self.ws = ws
+        self.bridge = bridge
+        self.settings = bridge.settings
+        self.stream_sid = ""
+        self.call_sid = ""
+        self.session: Any = None
+        self.session_ready = False
+        self.record: Any = None
+        self.inbound = InboundAudio()
+        self.outbound = OutboundAudio()
+        self.clock = PlaybackClock(max_queued_s=self.settings.max_queued_ms / 1000)
+        self.marks = MarkTracker()
+        self.jitter = FrameJitter()
+        self.frames_in = 0
+        self.frames_out = 0
+        self.inbound_dropped = 0  # media before the session was ready
+        self.inbound_gaps = 0  # chunks Twilio numbered but we never got
+        self.last_chunk = 0
+        self.dtmf: list[str] = []
+        self.started_at = monotonic()
+        self._send_lock = asyncio.Lock()
+        self._sender: asyncio.Task[None] | None = None
+        self._opener: asyncio.Task[None] | None = None
+        self._ended: CallEnded | None = None
+
+    # --- the receive loop ---------------------------------------------------------------
+    async def run(self) -> None:
+        reason, hang_up, close_code = "stop", False, CLOSE_NORMAL
+        try:
+            await self._receive_loop()
+        except ProtocolError as exc:
+            log.warning("twilio %s: protocol error: %s", self.stream_sid or "(no stream)", exc)
+            reason, close_code = f"protocol error: {exc}", exc.code
+        except CallEnded as exc:
+            reason, hang_up = exc.reason, exc.hang_up
+        except WebSocketDisconnect:
+            reason = "socket closed"
+        except Exception:
+            log.exception("twilio %s: bridge failure", self.stream_sid)
+            reason, hang_up, close_code = "bridge error", True, CLOSE_ERROR
+        finally:
+            await self._finish(reason, hang_up, close_code)
+
+    def _next_deadline(self) -> float:
+        idle = self.settings.idle_timeout_s if self.stream_sid else self.settings.stream_connect_timeout_s
+        left = self.started_at + self.settings.max_call_s - monotonic()
+        return min(idle, max(0.0, left))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            if self._ended is not None:
+                raise self._ended
+            timeout = self._next_deadline()
+            receive = asyncio.ensure_future(self.ws.receive())
+            waiters: set[asyncio.Future[Any]] = {receive}
+            if self._sender is not None:
+                waiters.add(self._sender)
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if receive not in done:
+                receive.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await receive
+                if self._ended is not None:
+                    raise self._ended
+                if self._sender is not None and self._sender.done():
+                    continue  # the sender ended without a reason; loop sees _ended or keeps going
+                if monotonic() - self.started_at >= self.settings.max_call_s:
+                    raise CallEnded("max duration", hang_up=True)
+                raise CallEnded("idle timeout" if self.stream_sid else "no start message", hang_up=True)
+            raw = receive.result()
+            if raw["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(raw.get("code", CLOSE_NORMAL))
+            message = parse_message(raw, self.settings.max_message_bytes)
+            if await self._handle(message):
+                return
+
+    async def _handle(self, message: dict[str, Any]) -> bool:
+        """Dispatch one message; True when the stream is over (`stop`)."""
+        event = message["event"]
+        if event == "connected":
+            return False
+        if event == "start":
+            await self._on_start(message)
+            return False
+        if not self.stream_sid:
+            raise ProtocolError(f"`{event}` before `start`")
+        if message.get("streamSid") != self.stream_sid:
+            raise ProtocolError(f"`{event}` for another stream ({message.get('streamSid')!r})")
+        if event == "media":
+            self._on_media(_section(message, "media"))
+        elif event == "mark":
+            name = _section(message, "mark").get("name")
+            if isinstance(name, str):
+                self.marks.echo(name, self.clock.sent_s)
+        elif event == "dtmf":
+            await self._on_dtmf(_section(message, "dtmf"))
+        elif event == "stop":
+            return True
+        else:
+            log.debug("twilio %s: ignoring event %r", self.stream_sid, event)
+        return False
+
+    async def _on_start(self, message: dict[str, Any]) -> None:
+        if self.stream_sid:
+            raise ProtocolError("a second `start` on one stream")
+        start = _section(message, "start")
+        stream_sid = start.get("streamSid") or message.get("streamSid")
+        call_sid = start.get("callSid")
+        if not isinstance(stream_sid, str) or not stream_sid or not isinstance(call_sid, str):
+            raise ProtocolError("`start` without streamSid/callSid", CLOSE_INVALID_DATA)
+        media_format = start.get("mediaFormat") or {}
+        if (
+            isinstance(media_format, dict)
+            and media_format.get("encoding", "audio/x-mulaw") != "audio/x-mulaw"
+        ):
+            raise ProtocolError(f"unsupported media format {media_format!r}", CLOSE_INVALID_DATA)
+        params = start.get("customParameters") or {}
+        if not isinstance(params, dict):
+            raise ProtocolError("customParameters must be an object", CLOSE_INVALID_DATA)
+        persona_name, persona = self.bridge.persona_for_stream(params, call_sid)
+        self.stream_sid, self.call_sid = stream_sid, call_sid
+        self.record = self.bridge.registry.status(call_sid, "stream-started", persona=persona_name)
+        self.record.stream_sid = stream_sid
+        self.bridge.registry.live[stream_sid] = self
+        # Open the session without holding up the receive loop: prefill can take a while.
+        self._opener = asyncio.create_task(self._open_session(persona))
+
+    async def _open_session(self, persona: Persona) -> None:
+        manager = self.bridge.manager
+        try:
+            self.session = await manager.open(persona)
+            await asyncio.wait_for(self.session.ready(), self.settings.ready_timeout_s)
+        except CapacityError:
+            self._end("no free slot", hang_up=True)
+            return
+        except (EngineError, asyncio.TimeoutError, Exception) as exc:
+            log.warning("twilio %s: session could not start: %s", self.stream_sid, exc)
+            self._end(f"session failed: {exc}", hang_up=True)
+            return
+        if self.record is not None:
+            self.record.session_id = str(getattr(self.session, "id", ""))
+        self.session_ready = True
+        self._sender = asyncio.create_task(self._send_loop())
+
+    def _end(self, reason: str, hang_up: bool) -> None:
+        if self._ended is None:
+            self._ended = CallEnded(reason, hang_up)
+
+    def _on_media(self, media: dict[str, Any]) -> None:
+        track = media.get("track", "inbound")
+        if track not in ("inbound", "inbound_track"):
+            return  # only the caller's audio goes to the agent
+        payload = media.get("payload")
+        if not isinstance(payload, str):
+            raise ProtocolError("`media` without a payload", CLOSE_INVALID_DATA)
+        try:
+            ulaw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("`media` payload is not valid base64", CLOSE_INVALID_DATA) from None
+        self.frames_in += 1
+        chunk = media.get("chunk")
+        if isinstance(chunk, str) and chunk.isdigit():
+            number = int(chunk)
+            if self.last_chunk and number > self.last_chunk + 1:
+                self.inbound_gaps += number - self.last_chunk - 1
+            self.last_chunk = max(self.last_chunk, number)
+        if not self.session_ready:
+            self.inbound_dropped += 1
+            return
+        self.session.push(self.inbound.convert(ulaw))
+
+    async def _on_dtmf(self, dtmf: dict[str, Any]) -> None:
+        digit = dtmf.get("digit")
+        if not isinstance(digit, str) or len(digit) != 1:
+            raise ProtocolError("`dtmf` without a digit", CLOSE_INVALID_DATA)
+        self.dtmf.append(digit)
+        if self.record is not None:
+            self.record.events.append((time.time(), f"dtmf:{digit}"))
+        log.info("twilio %s: DTMF %s", self.stream_sid, digit)
+        if digit in self.settings.hangup_digits:
+            raise CallEnded(f"hang-up digit {digit}", hang_up=True)
+
+    # --- the sender -----------------------------------------------------------------------
+    async def _send_json(self, message: dict[str, Any]) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(json.dumps(message, separators=(",", ":")))
+
+    async def _send_chunk(self, chunk: bytes) -> None:
+        now = monotonic()
+        wait = self.clock.wait_before_send(now)
+        if wait > 0:
+            await asyncio.sleep(wait)
+            now = monotonic()
+        payload = base64.b64encode(chunk).decode("ascii")
+        await self._send_json({"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}})
+        self.clock.sent(now, CHUNK_S)
+        self.frames_out += 1
+
+    async def _send_loop(self) -> None:
+        session = self.session
+        try:
+            async for out in session.frames():
+                chunks = self.outbound.convert(out.pcm)
+                if not chunks:
+                    continue
+                self.jitter.frame(monotonic())
+                if self.clock.needs_prime(monotonic()):
+                    await self._send_chunk(SILENCE_CHUNK)
+                for chunk in chunks:
+                    await self._send_chunk(chunk)
+                name = str(out.index)
+                await self._send_json({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
+                self.marks.add(name, self.clock.sent_s)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            # The socket went away under us; the receive loop notices and ends the call.
+            self._end(f"socket closed while sending ({type(exc).__name__})", hang_up=False)
+            return
+        reason = getattr(session, "close_reason", None) or "session ended"
+        self._end(f"session ended: {reason}", hang_up=True)
+
+    # --- the end ---------------------------------------------------------------------------
+    async def _finish(self, reason: str, hang_up: bool, close_code: int) -> None:
+        for task in (self._opener, self._sender):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                await self.session.close(reason="twilio: " + reason[:80])
+        connected = self.ws.client_state == WebSocketState.CONNECTED
+        if connected and self.stream_sid:
+            # Drop whatever Twilio still holds of ours, then hang up before the socket goes.
+            with contextlib.suppress(Exception):
+                await self._send_json({"event": "clear", "streamSid": self.stream_sid})
+                self.clock.cleared(monotonic())
+                self.marks.drop_all()
+        if hang_up and self.call_sid:
+            await self.bridge.calls.hang_up_async(self.call_sid)
+        if connected:
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=close_code, reason=reason[:100])
+        self.bridge.registry.live.pop(self.stream_sid, None)
+        if self.record is not None:
+            self.record.end_reason = reason
+            self.record.metrics = self.metrics()
+            self.bridge.registry.status(self.call_sid, "stream-ended")
+        log.info("twilio %s: call %s ended (%s) %s", self.stream_sid, self.call_sid, reason, self.metrics())
+
+    def metrics(self) -> dict[str, Any]:
+        queued_ms = [q * 1000 for q in self.marks.queued_at_ack_s]
+        stats = getattr(self.session, "stats", None) if self.session is not None else None
+        return {
+            "duration_s": round(monotonic() - self.started_at, 3),
+            "frames_in": self.frames_in,
+            "frames_out": self.frames_out,
+            "inbound_dropped_before_ready": self.inbound_dropped,
+            "inbound_gaps": self.inbound_gaps,
+            "late_frames": self.clock.underruns,
+            "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
+            "jitter_p99_ms": round(self.jitter.p99_ms(), 2),
+            "max_queued_ms_model": round(self.clock.max_seen_queue_s * 1000, 1),
+            "queued_ms_marks_p50": round(percentile(queued_ms, 50), 1),
+            "queued_ms_marks_max": round(max(queued_ms, default=0.0), 1),
+            "marks_sent": self.marks.sent,
+            "marks_acked": self.marks.acked,
+            "dtmf": "".join(self.dtmf),
+            "session": dict(stats) if isinstance(stats, dict) else None,
+        }

@@ -1,0 +1,390 @@
+"""A Twilio simulator for tests and benchmarks: webhooks and Media Streams as Twilio documents them.
+
+- Webhooks are form POSTs signed with `X-Twilio-Signature` (twilio's `RequestValidator`) over the
+  public URL + path, like Twilio signs them.
+- The Media Streams socket is opened with a signed upgrade (signature over the Stream URL), then
+  speaks the documented JSON: `connected`; `start` (string `sequenceNumber`, `streamSid`,
+  `callSid`, `tracks`, `customParameters`, `mediaFormat`); `media` every 20 ms (string
+  `sequenceNumber`, `chunk`, `timestamp`; base64 μ-law 8 kHz); `dtmf`; `stop`.
+- What the server sends back is "played" by a model of Twilio's buffer: each 20 ms `media` plays
+  after the previous one (or at once when the buffer ran dry: an underrun, a *late frame*); a
+  `mark` is echoed once the audio queued before it has played; `clear` drops the buffer and
+  echoes its pending marks.
+
+    sim = TwilioSimulator(base_url="http://127.0.0.1:PORT", auth_token="...")
+    twiml = sim.voice_webhook(to="+15550001", from_="+15550002")      # httpx response
+    stream_url, params = parse_stream_twiml(twiml.text)
+    async with sim.media_stream(stream_url, params) as call:
+        await call.play(tone_8k)          # paced at real time
+        ...
+    call.played_audio()                   # float32 at 8 kHz on the inbound timeline
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import secrets
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from twilio.request_validator import RequestValidator
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
+
+RATE = 8000
+CHUNK = 160  # bytes = samples = 20 ms
+CHUNK_S = 0.020
+ACCOUNT_SID = "AC" + "0" * 32
+
+
+def sid(prefix: str) -> str:
+    return prefix + secrets.token_hex(16)
+
+
+def parse_stream_twiml(xml: str) -> tuple[str, dict[str, str]]:
+    """`<Response><Connect><Stream url=…><Parameter …/>` -> (url, parameters)."""
+    root = ET.fromstring(xml)
+    stream = root.find("./Connect/Stream")
+    if stream is None:
+        raise AssertionError(f"no <Connect><Stream> in TwiML: {xml}")
+    params = {p.get("name", ""): p.get("value", "") for p in stream.findall("Parameter")}
+    return stream.get("url", ""), params
+
+
+@dataclass
+class Played:
+    arrival: float
+    start: float  # when Twilio starts playing it
+    payload: bytes
+    late: bool  # the buffer had run dry before it arrived
+
+
+@dataclass
+class SimulatedCall:
+    ws: ClientConnection
+    stream_sid: str
+    call_sid: str
+    seq: int = 0
+    chunk: int = 0
+    t0: float = 0.0  # monotonic time of the first inbound media (the call's timeline origin)
+    played: list[Played] = field(default_factory=list)
+    play_end: float = 0.0
+    max_queued_s: float = 0.0
+    marks_echoed: list[str] = field(default_factory=list)
+    pending_marks: list[tuple[float, str]] = field(default_factory=list)
+    clears: int = 0
+    others: list[dict[str, Any]] = field(default_factory=list)  # anything else the server sent
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    close_code: int | None = None
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    # --- sending, as Twilio does -----------------------------------------------------------
+    def _next_seq(self) -> str:
+        self.seq += 1
+        return str(self.seq)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        async with self.send_lock:
+            await self.ws.send(json.dumps(message))
+
+    async def send_raw(self, data: str | bytes) -> None:
+        async with self.send_lock:
+            await self.ws.send(data)
+
+    async def send_media(self, payload: bytes) -> None:
+        now = time.monotonic()
+        if not self.t0:
+            self.t0 = now
+        self.chunk += 1
+        await self.send(
+            {
+                "event": "media",
+                "sequenceNumber": self._next_seq(),
+                "media": {
+                    "track": "inbound",
+                    "chunk": str(self.chunk),
+                    "timestamp": str(round((now - self.t0) * 1000)),
+                    "payload": base64.b64encode(payload).decode("ascii"),
+                },
+                "streamSid": self.stream_sid,
+            }
+        )
+
+    async def play(self, pcm_8k: np.ndarray) -> None:
+        """Send audio as 20 ms media messages on an absolute real-time schedule."""
+        data = ulaw_encode(np.asarray(pcm_8k, np.float32))
+        data += b"\xff" * (-len(data) % CHUNK)
+        start = time.monotonic() if not self.t0 else self.t0 + self.chunk * CHUNK_S
+        for i in range(0, len(data), CHUNK):
+            due = start + (i // CHUNK) * CHUNK_S
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if self.closed.is_set():
+                return
+            await self.send_media(data[i : i + CHUNK])
+
+    async def dtmf(self, digit: str) -> None:
+        await self.send(
+            {
+                "event": "dtmf",
+                "streamSid": self.stream_sid,
+                "sequenceNumber": self._next_seq(),
+                "dtmf": {"track": "inbound_track", "digit": digit},
+            }
+        )
+
+    async def stop(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self.send(
+                {
+                    "event": "stop",
+                    "sequenceNumber": self._next_seq(),
+                    "stop": {"accountSid": ACCOUNT_SID, "callSid": self.call_sid},
+                    "streamSid": self.stream_sid,
+                }
+            )
+
+    # --- receiving and "playing" -----------------------------------------------------------
+    def _on_media(self, payload: bytes) -> None:
+        now = time.monotonic()
+        late = bool(self.played) and now > self.play_end
+        start = max(now, self.play_end)
+        self.play_end = start + len(payload) / RATE
+        self.max_queued_s = max(self.max_queued_s, self.play_end - now - len(payload) / RATE)
+        self.played.append(Played(now, start, payload, late))
+
+    async def _echo_marks(self) -> None:
+        while not self.closed.is_set():
+            now = time.monotonic()
+            while self.pending_marks and self.pending_marks[0][0] <= now:
+                _, name = self.pending_marks.pop(0)
+                await self._send_mark(name)
+            await asyncio.sleep(0.005)
+
+    async def _send_mark(self, name: str) -> None:
+        self.marks_echoed.append(name)
+        with contextlib.suppress(ConnectionClosed):
+            await self.send(
+                {
+                    "event": "mark",
+                    "sequenceNumber": self._next_seq(),
+                    "streamSid": self.stream_sid,
+                    "mark": {"name": name},
+                }
+            )
+
+    async def receive_loop(self) -> None:
+        try:
+            async for raw in self.ws:
+                message = json.loads(raw)
+                event = message.get("event")
+                if message.get("streamSid") != self.stream_sid:
+                    self.others.append(message)
+                elif event == "media":
+                    self._on_media(base64.b64decode(message["media"]["payload"]))
+                elif event == "mark":
+                    due = max(time.monotonic(), self.play_end)
+                    self.pending_marks.append((due, message["mark"]["name"]))
+                elif event == "clear":
+                    self.clears += 1
+                    now = time.monotonic()
+                    self.play_end = min(self.play_end, now)
+                    self.played = [p for p in self.played if p.start <= now]
+                    pending, self.pending_marks = self.pending_marks, []
+                    for _, name in pending:
+                        await self._send_mark(name)
+                else:
+                    self.others.append(message)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.close_code = self.ws.close_code
+            self.closed.set()
+
+    # --- results -----------------------------------------------------------------------------
+    @property
+    def late_frames(self) -> int:
+        return sum(p.late for p in self.played)
+
+    def played_audio(self) -> np.ndarray:
+        """What the caller heard, float32 8 kHz; sample 0 = when our first media was sent."""
+        if not self.played:
+            return np.zeros(0, np.float32)
+        origin = self.t0 or self.played[0].start
+        end = max(p.start for p in self.played) - origin + CHUNK_S
+        out = np.zeros(max(0, round(end * RATE)) + CHUNK, np.float32)
+        for p in self.played:
+            pos = round((p.start - origin) * RATE)
+            if pos < 0:
+                continue
+            pcm = ulaw_decode(p.payload)
+            out[pos : pos + len(pcm)] = pcm[: len(out) - pos]
+        return out
+
+    def message_gaps_s(self) -> np.ndarray:
+        arrivals = np.array([p.arrival for p in self.played])
+        return np.diff(arrivals) if len(arrivals) > 1 else np.zeros(0)
+
+
+class TwilioSimulator:
+    """Twilio's side of a number pointed at `base_url` (the server's PUBLIC_URL is `public_url`)."""
+
+    def __init__(self, base_url: str, auth_token: str, public_url: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.public_url = (public_url or base_url).rstrip("/")
+        self.validator = RequestValidator(auth_token)
+
+    def sign(self, url: str, params: Mapping[str, str] | None = None) -> str:
+        return self.validator.compute_signature(url, dict(params or {}))
+
+    def post_webhook(
+        self, path: str, form: Mapping[str, str], *, signature: str | None = "sign", timeout: float = 10.0
+    ) -> httpx.Response:
+        headers = {}
+        if signature == "sign":
+            headers["X-Twilio-Signature"] = self.sign(self.public_url + path, form)
+        elif signature is not None:
+            headers["X-Twilio-Signature"] = signature
+        return httpx.post(self.base_url + path, data=dict(form), headers=headers, timeout=timeout)
+
+    def voice_webhook(
+        self, to: str = "+15550100001", from_: str = "+15550100002", **kw: Any
+    ) -> httpx.Response:
+        form = {
+            "AccountSid": ACCOUNT_SID,
+            "CallSid": kw.pop("call_sid", None) or sid("CA"),
+            "From": from_,
+            "To": to,
+            "CallStatus": "ringing",
+            "Direction": "inbound",
+            "ApiVersion": "2010-04-01",
+        }
+        return self.post_webhook("/twilio/voice", form, **kw)
+
+    @contextlib.asynccontextmanager
+    async def media_stream(
+        self,
+        stream_url: str,
+        params: Mapping[str, str],
+        *,
+        call_sid: str | None = None,
+        signature: str | None = "sign",
+        send_start: bool = True,
+    ) -> AsyncIterator[SimulatedCall]:
+        """Open the stream like Twilio: signed upgrade, `connected`, `start`; `stop` at the end."""
+        headers = {}
+        if signature == "sign":
+            headers["X-Twilio-Signature"] = self.sign(stream_url, {})
+        elif signature is not None:
+            headers["X-Twilio-Signature"] = signature
+        # Twilio dials the public URL; the test reaches the same server at base_url.
+        target = stream_url.replace(_ws(self.public_url), _ws(self.base_url), 1)
+        ws = await connect(target, additional_headers=headers, compression=None, proxy=None, max_size=None)
+        call = SimulatedCall(ws=ws, stream_sid=sid("MZ"), call_sid=call_sid or sid("CA"))
+        receiver = asyncio.create_task(call.receive_loop())
+        marks = asyncio.create_task(call._echo_marks())
+        try:
+            await call.send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
+            if send_start:
+                await call.send(
+                    {
+                        "event": "start",
+                        "sequenceNumber": call._next_seq(),
+                        "start": {
+                            "accountSid": ACCOUNT_SID,
+                            "streamSid": call.stream_sid,
+                            "callSid": call.call_sid,
+                            "tracks": ["inbound"],
+                            "customParameters": dict(params),
+                            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1},
+                        },
+                        "streamSid": call.stream_sid,
+                    }
+                )
+            yield call
+        finally:
+            if not call.closed.is_set():
+                await call.stop()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(call.closed.wait(), 5.0)
+            with contextlib.suppress(Exception):
+                await ws.close()
+            marks.cancel()
+            receiver.cancel()
+            for task in (marks, receiver):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
+def _ws(url: str) -> str:
+    return (
+        "wss://" + url[8:]
+        if url.startswith("https://")
+        else "ws://" + url[7:]
+        if url.startswith("http://")
+        else url
+    )
+
+
+def tone(freq: float, seconds: float, amplitude: float = 0.5, rate: int = RATE) -> np.ndarray:
+    t = np.arange(round(seconds * rate)) / rate
+    return (amplitude * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def sine_fit_snr_db(x: np.ndarray, freq: float, rate: int = RATE) -> float:
+    """SNR of `x` as a sinusoid at `freq` (any phase/amplitude): fitted power over residual power."""
+    t = np.arange(len(x)) / rate
+    basis = np.stack([np.sin(2 * np.pi * freq * t), np.cos(2 * np.pi * freq * t)], axis=1)
+    coef, *_ = np.linalg.lstsq(basis, x.astype(np.float64), rcond=None)
+    fitted = basis @ coef
+    noise = np.mean((x - fitted) ** 2)
+    return float(10 * np.log10(np.mean(fitted**2) / max(noise, 1e-20)))
+
+
+# --- an in-process server, for tests that must reach inside (a fake Twilio REST cloud) -------------
+
+
+@dataclass
+class InProcessServer:
+    url: str
+    app: Any
+    server: Any
+    thread: Any
+
+
+@contextlib.contextmanager
+def running_app(app: Any) -> Any:
+    """Serve `app` with a real uvicorn on a free port, in a thread with its own event loop."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("in-process uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield InProcessServer(f"http://127.0.0.1:{port}", app, server, thread)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
