@@ -1,0 +1,138 @@
+"""Start the real `personaplex-voice serve` in a subprocess for end-to-end tests.
+
+    from support_server import running_server
+
+    with running_server("--max-sessions", "2") as server:      # echo engine by default
+        httpx.get(server.url + "/readyz")
+        websockets.connect(server.ws_url + "/api/chat?text_prompt=hi")
+
+    with running_server(engine="model", model=str(golden_dir)) as server: ...
+
+Or as a pytest fixture: `server = request.getfixturevalue("echo_server")` (module-scoped below).
+The server binds a free port chosen by the OS; its log is kept and shown if it fails to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str  # http://127.0.0.1:PORT
+    ws_url: str  # ws://127.0.0.1:PORT
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+@contextlib.contextmanager
+def running_server(
+    *args: str,
+    engine: str = "echo",
+    model: str | None = None,
+    env: Mapping[str, str] | None = None,
+    wait_for: str = "/readyz",
+    timeout: float = 90.0,
+) -> Iterator[ServerProcess]:
+    """Run the server until the block ends. `args` are extra `serve` flags; `env` is added to the
+    environment; `wait_for` is the path that must answer 200 first ("/healthz" to skip loading)."""
+    cmd_base = [
+        sys.executable,
+        "-m",
+        "personaplex_voice.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--engine",
+        engine,
+    ]
+    if model is not None:
+        cmd_base += ["--model", model]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    last_log = ""
+    for _attempt in range(3):  # a free port can be taken between probing and binding: retry
+        port = free_port()
+        cmd = [*cmd_base, "--port", str(port), *args]
+        with tempfile.NamedTemporaryFile("wb", prefix="server-", suffix=".log", delete=False) as log_file:
+            log_path = Path(log_file.name)
+            process = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
+        server = ServerProcess(
+            f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", port, process, log_path, cmd
+        )
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and server.alive():
+                if _get_status(server.url + wait_for) == 200:
+                    break
+                time.sleep(0.1)
+            else:
+                last_log = server.log()
+                if server.alive():
+                    raise RuntimeError(f"server did not become ready in {timeout:.0f} s:\n{last_log[-4000:]}")
+                if "address already in use" in last_log.lower():
+                    continue
+                raise RuntimeError(f"server exited with {process.returncode}:\n{last_log[-4000:]}")
+            yield server
+            return
+        finally:
+            stop_server(server)
+            with contextlib.suppress(OSError):
+                log_path.unlink()
+    raise RuntimeError(f"could not bind a free port:\n{last_log[-4000:]}")
+
+
+def stop_server(server: ServerProcess, timeout: float = 10.0) -> None:
+    if not server.alive():
+        return
+    server.process.terminate()  # SIGTERM: uvicorn shuts down gracefully
+    try:
+        server.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def echo_server() -> Iterator[ServerProcess]:
+    """One echo server (4 slots) shared by a test module."""
+    with running_server("--max-sessions", "4") as server:
+        yield server
