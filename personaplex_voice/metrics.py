@@ -1,0 +1,195 @@
+"""Framework-free counters, gauges and histograms for the SessionManager.
+
+The server publishes these to Prometheus; everything here is plain Python so the engine side
+stays free of web dependencies. Every instrument is thread-safe: the inference thread writes,
+any thread reads. `SessionMetrics.snapshot()` returns one plain dict of everything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Seconds; chosen around the 80 ms frame budget (tick) and typical prefill times.
+TICK_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+PREFILL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Counter:
+    """Monotonic count, optionally split by one label (e.g. a close reason)."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, label: str | None = None):
+        self.name, self.help, self.label = name, help, label
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {} if label else {"": 0.0}
+
+    def inc(self, amount: float = 1.0, label: str = "") -> None:
+        with self._lock:
+            self._values[label] = self._values.get(label, 0.0) + amount
+
+    @property
+    def value(self) -> float:
+        """Total over all labels."""
+        with self._lock:
+            return sum(self._values.values())
+
+    def values(self) -> dict[str, float]:
+        """Per-label values (a single "" key when the counter has no label)."""
+        with self._lock:
+            return dict(self._values)
+
+    def snapshot(self) -> Any:
+        return self.values() if self.label else self.value
+
+
+class Gauge:
+    """A value that goes up and down (active slots, queue length, cache bytes)."""
+
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str):
+        self.name, self.help = name, help
+        self._value = 0.0
+
+    def set(self, value: float) -> None:
+        self._value = float(value)  # a single float store is atomic under the GIL
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+    def snapshot(self) -> float:
+        return self._value
+
+
+class Histogram:
+    """Cumulative-bucket histogram in the Prometheus shape (upper bounds, +Inf implied)."""
+
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: Sequence[float]):
+        self.name, self.help = name, help
+        self.buckets = tuple(sorted(buckets))
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(self.buckets) + 1)  # last = above every bound
+        self._sum = 0.0
+        self._count = 0
+        self._max = 0.0
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._sum += value
+            self._count += 1
+            self._max = max(self._max, value)
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def sum(self) -> float:
+        return self._sum
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """[(upper_bound, observations <= bound)], ending with (inf, count)."""
+        with self._lock:
+            out, running = [], 0
+            for bound, n in zip((*self.buckets, float("inf")), self._counts, strict=True):
+                running += n
+                out.append((bound, running))
+            return out
+
+    def snapshot(self) -> dict[str, Any]:
+        cumulative = self.cumulative()
+        with self._lock:
+            mean = self._sum / self._count if self._count else 0.0
+            return {
+                "count": self._count,
+                "sum": self._sum,
+                "mean": mean,
+                "max": self._max,
+                "buckets": {("+Inf" if b == float("inf") else repr(b)): n for b, n in cumulative},
+            }
+
+
+Instrument = Counter | Gauge | Histogram
+
+
+@dataclass
+class SessionMetrics:
+    """Every number the SessionManager keeps. Names follow Prometheus conventions (no prefix:
+    the server adds `personaplex_`)."""
+
+    ticks: Counter
+    tick_seconds: Histogram
+    tick_overruns: Counter
+    active_slots: Gauge
+    queued_sessions: Gauge
+    late_frames: Counter
+    prefill_seconds: Histogram
+    restore_seconds: Histogram
+    cache_hits: Counter
+    cache_misses: Counter
+    cache_evictions: Counter
+    cache_bytes: Gauge
+    cache_entries: Gauge
+    dropped_output_frames: Counter
+    dropped_input_samples: Counter
+    sessions_opened: Counter
+    sessions_rejected: Counter
+    sessions_closed: Counter
+    engine_errors: Counter
+
+    @classmethod
+    def create(cls) -> SessionMetrics:
+        return cls(
+            ticks=Counter("ticks_total", "Batched engine steps run"),
+            tick_seconds=Histogram("tick_seconds", "Wall time of one batched engine step", TICK_BUCKETS),
+            tick_overruns=Counter(
+                "tick_overruns_total", "Times the realtime clock fell behind and skipped ahead"
+            ),
+            active_slots=Gauge("active_slots", "Engine slots held by sessions"),
+            queued_sessions=Gauge("queued_sessions", "Sessions waiting for a slot"),
+            late_frames=Counter(
+                "late_frames_total", "Frames where a session's input was late and silence was fed"
+            ),
+            prefill_seconds=Histogram(
+                "prefill_seconds", "Wall time of a system prompt prefill (cache miss)", PREFILL_BUCKETS
+            ),
+            restore_seconds=Histogram(
+                "restore_seconds", "Wall time of a persona cache restore (cache hit)", PREFILL_BUCKETS
+            ),
+            cache_hits=Counter("persona_cache_hits_total", "Slot starts served from the persona cache"),
+            cache_misses=Counter("persona_cache_misses_total", "Slot starts that ran the system prompt"),
+            cache_evictions=Counter("persona_cache_evictions_total", "Persona cache entries evicted"),
+            cache_bytes=Gauge("persona_cache_bytes", "Bytes held by the persona cache"),
+            cache_entries=Gauge("persona_cache_entries", "Entries in the persona cache"),
+            dropped_output_frames=Counter(
+                "dropped_output_frames_total", "Output frames dropped because a consumer was slow"
+            ),
+            dropped_input_samples=Counter(
+                "dropped_input_samples_total", "Input samples dropped (input backlog over its bound)"
+            ),
+            sessions_opened=Counter("sessions_opened_total", "Sessions admitted or queued"),
+            sessions_rejected=Counter(
+                "sessions_rejected_total", "Opens refused for capacity", label="reason"
+            ),
+            sessions_closed=Counter("sessions_closed_total", "Sessions ended, by reason", label="reason"),
+            engine_errors=Counter("engine_errors_total", "Exceptions raised by the engine", label="method"),
+        )
+
+    def instruments(self) -> Iterator[Instrument]:
+        """Every instrument, for an exporter (each has .name, .help, .kind)."""
+        for value in vars(self).values():
+            if isinstance(value, Counter | Gauge | Histogram):
+                yield value
+
+    def snapshot(self) -> dict[str, Any]:
+        """{instrument name: value}; counters with a label give {label: value}."""
+        return {inst.name: inst.snapshot() for inst in self.instruments()}
