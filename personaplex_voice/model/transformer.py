@@ -1,0 +1,313 @@
+"""Streaming transformer with per-slot ring KV caches.
+
+Each slot has its own position counter `pos` and, per layer, a ring of `context` keys/values.
+`kpos[b, i]` is the absolute position held by ring entry i of slot b (-1 = empty); attention
+masks are built from it, so slots at different positions share one batched forward.
+
+Long calls: by default the ring simply rolls (position p goes to entry p % context), which is the
+published behaviour: after `context` steps the oldest frames, system prompt included, leave
+attention. With a per-slot `pin` > 0 the first `pin` positions (the system prompt) keep their
+entries and only the remaining `context - pin` entries roll; pinned entries stay attendable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from personaplex_voice.model.streaming import StepContext, StreamingModule, StreamState, commit
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, compute_dtype: torch.dtype | None):
+        super().__init__()
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+        self.alpha = nn.Parameter(torch.ones(1, 1, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        var = self.eps + torch.mean(x**2, dim=2, keepdim=True)
+        return (x * (self.alpha.to(var) * torch.rsqrt(var))).to(x_dtype)
+
+
+class LayerNormF32(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).to(x.dtype)
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    if kind == "layer_norm":
+        return nn.LayerNorm(dim, eps=1e-5)
+    if kind == "layer_norm_f32":
+        return LayerNormF32(dim, eps=1e-8)
+    if kind == "rms_norm":
+        return RMSNorm(dim, eps=1e-5, compute_dtype=None)
+    if kind == "rms_norm_f32":
+        return RMSNorm(dim, eps=1e-8, compute_dtype=torch.float32)
+    raise ValueError(f"unknown norm {kind!r}")
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int, init: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "elu": F.elu,
+    "leaky_relu": F.leaky_relu,
+    "mish": F.mish,
+    "softsign": F.softsign,
+    "identity": lambda x: x,
+}
+
+
+def gating_hidden(dim: int, dim_feedforward: int) -> int:
+    """Hidden width of a gated FFN for a given `dim_feedforward` (the published rule)."""
+    if dim_feedforward == 4 * dim:
+        return (21 * dim) // 8
+    return (2 * dim_feedforward) // 3
+
+
+class ActivationGating(nn.Module):
+    def __init__(self, dim: int, dim_feedforward: int, activation: str):
+        super().__init__()
+        hidden = gating_hidden(dim, dim_feedforward)
+        self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
+        self.linear_out = nn.Linear(hidden, dim, bias=False)
+        self.activation = _ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.linear(x, self.linear_in.weight)
+        x = x.view(*x.shape[:-1], 2, -1)
+        x = self.activation(x[..., 0, :]) * x[..., 1, :]
+        return F.linear(x, self.linear_out.weight)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, max_period: float):
+    """Rotary embedding of q, k [B, H, T, D] at per-slot absolute `positions` [B, T]."""
+    B, H, T, D = q.shape
+    ds = torch.arange(D // 2, device=q.device, dtype=torch.float32)
+    freqs = torch.exp(ds * (-math.log(max_period) * 2 / D))
+    ts = positions.to(torch.float32).view(B, 1, T, 1)
+    q = q.view(B, H, T, D // 2, 2)
+    k = k.view(B, H, T, D // 2, 2)
+    qr, qi = q[..., 0].float(), q[..., 1].float()
+    kr, ki = k[..., 0].float(), k[..., 1].float()
+    rotr = torch.cos(freqs * ts)
+    roti = torch.sin(freqs * ts)
+    qor = qr * rotr - qi * roti
+    qoi = qr * roti + qi * rotr
+    kor = kr * rotr - ki * roti
+    koi = kr * roti + ki * rotr
+    dtype = q.dtype
+    qo = torch.stack([qor.to(dtype), qoi.to(dtype)], dim=-1)
+    ko = torch.stack([kor.to(dtype), koi.to(dtype)], dim=-1)
+    return qo.view(B, H, T, D), ko.view(B, H, T, D)
+
+
+@dataclass
+class AttentionPlan:
+    """Shared by every layer of one transformer call: where to write, what to attend."""
+
+    positions: torch.Tensor  # long [B, T] absolute query positions
+    index: torch.Tensor  # long [B, T] ring entries written
+    mask: torch.Tensor  # bool [B, 1, T, capacity]
+
+
+class StreamingAttention(StreamingModule):
+    def __init__(self, dim: int, num_heads: int, capacity: int, rope_period: float | None):
+        super().__init__()
+        self.dim = dim
+        self.num_heads = num_heads
+        self.capacity = capacity
+        self.rope_period = rope_period
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * dim, dim))
+        self.out_proj = nn.Linear(dim, dim, bias=False)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def init_own_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> StreamState:
+        shape = (batch, self.num_heads, self.capacity, self.dim // self.num_heads)
+        return {
+            "k": torch.zeros(shape, device=device, dtype=dtype),
+            "v": torch.zeros(shape, device=device, dtype=dtype),
+        }
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, ctx: StepContext) -> torch.Tensor:
+        B, T, C = x.shape
+        H = self.num_heads
+        projected = F.linear(x, self.in_proj_weight)
+        q, k, v = projected.view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.rope_period is not None:
+            q, k = apply_rope(q, k, plan.positions, self.rope_period)
+        k_cache, v_cache = self.st(ctx, "k"), self.st(ctx, "v")
+        index = plan.index[:, None, :, None].expand(B, H, T, C // H)
+        if ctx.active is not None:
+            keep = ~ctx.active.view(B, 1, 1, 1)
+            k = torch.where(keep, k_cache.gather(2, index), k)
+            v = torch.where(keep, v_cache.gather(2, index), v)
+        k_cache.scatter_(2, index, k.to(k_cache.dtype))
+        v_cache.scatter_(2, index, v.to(v_cache.dtype))
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, plan.mask)
+        out = out.transpose(1, 2).reshape(B, T, C)
+        return self.out_proj(out)
+
+
+class StreamingTransformerLayer(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        dim_feedforward: int,
+        capacity: int,
+        rope_period: float | None,
+        norm: str,
+        layer_scale: float | None,
+        gating: str,
+    ):
+        super().__init__()
+        self.self_attn = StreamingAttention(dim, num_heads, capacity, rope_period)
+        self.norm1 = make_norm(norm, dim)
+        self.norm2 = make_norm(norm, dim)
+        self.gating: nn.Module | None = None
+        self.linear1: nn.Module | None = None
+        self.linear2: nn.Module | None = None
+        if gating == "none":
+            self.linear1 = nn.Linear(dim, dim_feedforward, bias=False)
+            self.linear2 = nn.Linear(dim_feedforward, dim, bias=False)
+        else:
+            self.gating = ActivationGating(dim, dim_feedforward, gating)
+        self.layer_scale_1: nn.Module = nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale)
+        self.layer_scale_2: nn.Module = nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale)
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, ctx: StepContext) -> torch.Tensor:
+        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), plan, ctx))
+        h = self.norm2(x)
+        if self.gating is not None:
+            update = self.gating(h)
+        else:
+            assert self.linear1 is not None and self.linear2 is not None
+            update = self.linear2(F.gelu(self.linear1(h)))
+        return x + self.layer_scale_2(update)
+
+
+class StreamingTransformer(StreamingModule):
+    """Causal transformer over per-slot streams. forward(x [B, T, C]) advances each slot by T."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        dim_feedforward: int,
+        context: int,
+        positional_embedding: str = "rope",
+        max_period: float = 10000,
+        norm: str = "layer_norm",
+        layer_scale: float | None = None,
+        gating: str = "none",
+        causal: bool = True,
+    ):
+        super().__init__()
+        if not causal:
+            raise ValueError("streaming needs a causal transformer")
+        if positional_embedding not in ("rope", "none"):
+            raise ValueError(f"unsupported positional embedding {positional_embedding!r}")
+        if not context or context <= 0:
+            raise ValueError("a streaming transformer needs a finite context")
+        self.context = int(context)
+        rope_period = float(max_period) if positional_embedding == "rope" else None
+        self.layers = nn.ModuleList(
+            [
+                StreamingTransformerLayer(
+                    d_model, num_heads, dim_feedforward, self.context, rope_period, norm, layer_scale, gating
+                )
+                for _ in range(num_layers)
+            ]
+        )
+
+    def init_own_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> StreamState:
+        return {
+            "pos": torch.zeros(batch, dtype=torch.long, device=device),
+            "kpos": torch.full((batch, self.context), -1, dtype=torch.long, device=device),
+            "pin": torch.zeros(batch, dtype=torch.long, device=device),
+        }
+
+    def plan(self, T: int, ctx: StepContext) -> AttentionPlan:
+        pos, kpos, pin = self.st(ctx, "pos"), self.st(ctx, "kpos"), self.st(ctx, "pin")
+        B = pos.shape[0]
+        positions = pos[:, None] + torch.arange(T, device=pos.device)
+        pin_ = pin[:, None]
+        rolling = pin_ + torch.remainder(positions - pin_, self.context - pin_)
+        index = torch.where(positions < pin_, positions, rolling)
+        kpos_after = kpos.scatter(1, index, positions)
+        delta = positions[:, :, None] - kpos_after[:, None, :]
+        allowed = (kpos_after >= 0)[:, None, :] & (delta >= 0)
+        pinned = (kpos_after < pin_)[:, None, :]
+        allowed = allowed & ((delta < self.context) | pinned)
+        commit(kpos, kpos_after, ctx.active)
+        commit(pos, pos + T, ctx.active)
+        return AttentionPlan(positions=positions, index=index, mask=allowed.view(B, 1, T, self.context))
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if x.shape[1] > self.context:
+            raise ValueError(f"cannot process {x.shape[1]} steps at once with a context of {self.context}")
+        plan = self.plan(x.shape[1], ctx)
+        for layer in self.layers:
+            x = layer(x, plan, ctx)
+        return x
+
+
+class ProjectedTransformer(nn.Module):
+    """Mimi's transformer: [B, C, T] in and out, optional input/output projections."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        d_model = cfg["d_model"]
+        self.transformer = StreamingTransformer(
+            d_model=d_model,
+            num_heads=cfg["num_heads"],
+            num_layers=cfg["num_layers"],
+            dim_feedforward=cfg["dim_feedforward"],
+            context=cfg["context"],
+            positional_embedding=cfg.get("positional_embedding", "rope"),
+            max_period=cfg.get("max_period", 10000),
+            norm=cfg.get("norm", "layer_norm"),
+            layer_scale=cfg.get("layer_scale"),
+            gating=cfg.get("gating", "none"),
+            causal=cfg.get("causal", True),
+        )
+        self.conv_layout = cfg.get("conv_layout", True)
+        input_dim = cfg["input_dimension"]
+        self.input_proj = nn.Linear(input_dim, d_model, bias=False) if input_dim != d_model else None
+        outs = cfg["output_dimensions"]
+        if len(outs) != 1:
+            raise ValueError("Mimi transformers have exactly one output")
+        self.output_projs = nn.ModuleList(
+            [nn.Identity() if d == d_model else nn.Linear(d_model, d, bias=False) for d in outs]
+        )
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.conv_layout:
+            x = x.transpose(1, 2)
+        if self.input_proj is not None:
+            x = self.input_proj(x)
+        z = self.transformer(x, ctx)
+        y = self.output_projs[0](z)
+        return y.transpose(1, 2) if self.conv_layout else y
