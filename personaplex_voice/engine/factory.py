@@ -45,9 +45,9 @@ def build_engine(
 
     from personaplex_voice.model.sources import resolve_model
 
+    device = _check_device(device)
     source_options = {k: overrides.pop(k) for k in _SOURCE_OPTIONS if k in overrides}
     files = resolve_model(model, **source_options)
-    device = _check_device(device)
 
     from personaplex_voice.engine.generator import PersonaPlexEngine
 
