@@ -15,6 +15,7 @@ The server binds a free port chosen by the OS; its log is kept and shown if it f
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -136,3 +137,109 @@ def echo_server() -> Iterator[ServerProcess]:
     """One echo server (4 slots) shared by a test module."""
     with running_server("--max-sessions", "4") as server:
         yield server
+
+
+# ---------------------------------------------------------------------------------------------
+# A protocol client, as Moshi clients do it: sphn's Ogg-Opus writer/reader over `websockets`.
+
+
+@dataclass
+class ChatResult:
+    metadata: list[dict] = field(default_factory=list)
+    handshake: bool = False
+    text: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    pcm_parts: list = field(default_factory=list)
+    audio_messages: int = 0
+    close_code: int | None = None
+    sent_samples: int = 0
+    # (seconds since the first audio was sent, total samples received so far) per audio message
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def pcm(self):
+        import numpy as np
+
+        return np.concatenate(self.pcm_parts) if self.pcm_parts else np.zeros(0, np.float32)
+
+
+async def chat(
+    url: str,
+    audio=None,
+    *,
+    realtime: bool = True,
+    tail_s: float = 1.0,
+    headers: Mapping[str, str] | None = None,
+    origin: str | None = None,
+    handshake_timeout: float = 30.0,
+) -> ChatResult:
+    """Connect to `url` (ws://.../api/chat?...), wait for the handshake, stream `audio` (float32
+    24 kHz) in 80 ms chunks (paced in real time unless `realtime=False`), keep listening for
+    `tail_s`, then close. Returns everything the server sent."""
+    import asyncio
+
+    import numpy as np
+    import sphn
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    result = ChatResult()
+    reader = sphn.OpusStreamReader(24000)
+    writer = sphn.OpusStreamWriter(24000)
+    handshake = asyncio.Event()
+    started: list[float] = []
+
+    async def receive(ws) -> None:
+        try:
+            async for message in ws:
+                if isinstance(message, str) or not message:
+                    continue
+                kind, payload = message[0], message[1:]
+                if kind == 0x00:
+                    result.handshake = True
+                    handshake.set()
+                elif kind == 0x01:
+                    result.audio_messages += 1
+                    pcm = reader.append_bytes(payload)
+                    if pcm is not None and len(pcm):
+                        result.pcm_parts.append(np.asarray(pcm, np.float32))
+                    total = sum(len(p) for p in result.pcm_parts)
+                    elapsed = time.monotonic() - started[0] if started else 0.0
+                    result.arrivals.append((elapsed, total))
+                elif kind == 0x02:
+                    result.text.append(payload.decode("utf-8"))
+                elif kind == 0x04:
+                    result.metadata.append(json.loads(payload))
+                elif kind == 0x05:
+                    result.errors.append(payload.decode("utf-8"))
+        except ConnectionClosed:
+            pass
+        finally:
+            handshake.set()  # unblock the sender if the server closed first
+
+    async with connect(
+        url, additional_headers=headers, origin=origin, compression=None, proxy=None, max_size=None
+    ) as ws:
+        receiver = asyncio.create_task(receive(ws))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(handshake.wait(), handshake_timeout)
+        if result.handshake and audio is not None:
+            chunk = 1920
+            started.append(time.monotonic())
+            with contextlib.suppress(ConnectionClosed):
+                for i, start in enumerate(range(0, len(audio), chunk)):
+                    piece = np.asarray(audio[start : start + chunk], np.float32)
+                    data = writer.append_pcm(piece)
+                    result.sent_samples += len(piece)
+                    if data:
+                        await ws.send(b"\x01" + data)
+                    if realtime:
+                        delay = started[0] + (i + 1) * chunk / 24000 - time.monotonic()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+        if result.handshake:
+            await asyncio.sleep(tail_s)
+            await ws.close()
+        await receiver
+        result.close_code = ws.close_code
+    return result

@@ -1,0 +1,292 @@
+"""`/api/chat`: one WebSocket ↔ one Session (see `protocol.py` for the message kinds).
+
+Life of a connection:
+1. accept; check Origin, API key, that the engine is loaded, and the query values;
+2. `manager.open(persona)`; send 0x04 metadata (with the queue position while waiting, sent
+   again whenever it changes);
+3. once `session.ready()` (system prompt in the slot), send the 0x00 handshake;
+4. two tasks run until either ends: *receive* (0x01 Ogg-Opus → PCM → `session.push`, unknown
+   kinds ignored) and *send* (`session.frames()` → 0x02 text + 0x01 Ogg-Opus, one page per 20 ms
+   packet);
+5. the session is closed (slot freed at once). Every close the server decides on is preceded by
+   a 0x05 error message saying why, in words.
+
+A slow client only hurts itself: the session drops the frames it does not take in time, and a
+client that stops reading for `send_timeout_s` is disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
+from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, PersonaError
+from personaplex_voice.server import access, protocol
+from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.server.metrics import ServerMetrics
+from personaplex_voice.server.protocol import ChatParams, Kind, QueryError
+
+log = logging.getLogger("personaplex_voice.server.chat")
+
+# WebSocket close codes (RFC 6455 §7.4.1).
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_INVALID_DATA = 1007
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_LATER = 1013
+
+QUEUE_POLL_S = 0.25
+
+
+class Refusal(Exception):
+    """Ends the connection with a 0x05 error. `kind` labels the error metric."""
+
+    def __init__(self, kind: str, message: str, code: int):
+        super().__init__(message)
+        self.kind, self.message, self.code = kind, message, code
+
+
+class ClientGone(Exception):
+    """The client closed the socket or the connection broke."""
+
+
+class ChatConnection:
+    def __init__(self, ws: WebSocket, settings: ServerSettings, metrics: ServerMetrics, state: Any):
+        self.ws = ws
+        self.settings = settings
+        self.metrics = metrics
+        self.state = state  # app.state: manager, model_name, load status
+        self.session: Any = None
+        self.params: ChatParams | None = None
+        self._send_lock = asyncio.Lock()
+        self._reader = OggOpusReader(sample_rate=SAMPLE_RATE)
+        self._streaming = False  # True once the handshake is sent: audio goes to the session
+
+    # -- entry point ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.ws.accept()
+        self.metrics.connections.inc()
+        self.metrics.open_connections.set(self.metrics.open_connections.value + 1)
+        close_reason = "client"
+        try:
+            await self._converse()
+        except Refusal as refusal:
+            close_reason = refusal.kind
+            await self._refuse(refusal)
+        except ClientGone:
+            pass
+        except asyncio.CancelledError:
+            close_reason = "shutdown"
+            raise
+        except Exception:
+            log.exception("internal error on /api/chat")
+            close_reason = "internal"
+            await self._refuse(Refusal("internal", "internal server error", CLOSE_INTERNAL))
+        finally:
+            if self.session is not None:
+                await self.session.close(reason=close_reason)
+                stats = self.session.stats
+                log.info(
+                    "session %s closed (%s): %.1f s of audio, %d late frames, %d dropped output frames",
+                    self.session.id,
+                    close_reason,
+                    stats["duration_s"],
+                    stats["late_frames"],
+                    stats["dropped_output_frames"],
+                )
+            self.metrics.open_connections.set(self.metrics.open_connections.value - 1)
+
+    async def _converse(self) -> None:
+        self._admission_checks()
+        assert self.params is not None
+        manager = self.state.manager
+        try:
+            self.session = await manager.open(self.params.persona())
+        except CapacityError as exc:
+            retry = f"; retry in about {exc.retry_after_s:.0f} s" if exc.retry_after_s else ""
+            raise Refusal(
+                "capacity", f"the server is full ({manager.capacity} sessions){retry}", CLOSE_TRY_LATER
+            ) from None
+        except PersonaError as exc:
+            raise Refusal("persona", str(exc), CLOSE_POLICY) from None
+        log.info("session %s opened (voice=%s)", self.session.id, self.params.voice_prompt or "default")
+        await self._send(protocol.encode_metadata(self._metadata()))
+
+        receiving = asyncio.create_task(self._receive_loop(), name="chat-receive")
+        sending: asyncio.Task[None] | None = None
+        try:
+            await self._wait_until_ready(receiving)
+            await self._send(protocol.encode_handshake())
+            self._streaming = True
+            sending = asyncio.create_task(self._send_loop(), name="chat-send")
+            done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_COMPLETED)
+            finished = receiving if receiving in done else sending
+            finished.result()  # re-raises Refusal / ClientGone
+            if finished is sending:  # the session ended on the server's side
+                reason = self.session.close_reason or "ended"
+                code = CLOSE_GOING_AWAY if reason == "shutdown" else CLOSE_NORMAL
+                raise Refusal("session_ended", f"the session ended on the server ({reason})", code)
+        finally:
+            for task in (receiving, sending):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+    def _admission_checks(self) -> None:
+        headers, query = self.ws.headers, self.ws.query_params
+        if not access.origin_ok(self.settings, headers):
+            raise Refusal("origin", f"origin {headers.get('origin')!r} is not allowed", CLOSE_POLICY)
+        if not access.key_ok(self.settings, headers, query):
+            raise Refusal("auth", "missing or wrong API key (pass ?token=KEY)", CLOSE_POLICY)
+        if self.state.manager is None:
+            status = self.state.load_status
+            if status.get("state") == "failed":
+                raise Refusal(
+                    "unavailable", f"the model failed to load: {status.get('detail')}", CLOSE_INTERNAL
+                )
+            raise Refusal("loading", "the model is still loading; retry in a few seconds", CLOSE_TRY_LATER)
+        try:
+            self.params = ChatParams.from_query(query, max_prompt_chars=self.settings.max_prompt_chars)
+        except QueryError as exc:
+            raise Refusal("bad_query", str(exc), CLOSE_POLICY) from None
+
+    # -- waiting for a slot --------------------------------------------------------------------
+
+    async def _wait_until_ready(self, receiving: asyncio.Task[None]) -> None:
+        ready = asyncio.ensure_future(self.session.ready())
+        position = self.session.queue_position
+        try:
+            while True:
+                done, _ = await asyncio.wait({ready, receiving}, timeout=QUEUE_POLL_S)
+                if ready in done:
+                    try:
+                        ready.result()
+                    except PersonaError as exc:
+                        raise Refusal("persona", str(exc), CLOSE_POLICY) from None
+                    except Exception as exc:  # SessionClosed: shutdown or engine failure
+                        reason = self.session.close_reason or type(exc).__name__
+                        raise Refusal(
+                            "session_ended", f"the session could not start ({reason})", CLOSE_INTERNAL
+                        ) from None
+                    return
+                if receiving in done:
+                    receiving.result()  # Refusal or ClientGone
+                    raise ClientGone
+                if self.session.queue_position != position:
+                    position = self.session.queue_position
+                    await self._send(protocol.encode_metadata(self._metadata()))
+        finally:
+            if not ready.done():
+                ready.cancel()
+
+    def _metadata(self) -> dict[str, Any]:
+        assert self.params is not None
+        sampling = self.params.sampling()
+        position = self.session.queue_position if self.session is not None else None
+        return {
+            "session_id": self.session.id,
+            "model": self.state.model_name,
+            "voice": self.params.voice_prompt or "default",
+            "sample_rate": SAMPLE_RATE,
+            "frame_ms": 80,
+            "queue_position": position or 0,
+            "max_sessions": self.state.manager.capacity,
+            "text_temperature": sampling.text_temperature,
+            "text_topk": sampling.text_topk,
+            "audio_temperature": sampling.audio_temperature,
+            "audio_topk": sampling.audio_topk,
+            "greedy": sampling.greedy,
+            "seed": self.params.seed if self.params.seed is not None else -1,
+        }
+
+    # -- the two loops -------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        cap = self.settings.max_message_bytes
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                raise ClientGone
+            data = message.get("bytes")
+            if data is None:  # a text frame: not part of the protocol, ignored like unknown kinds
+                text = message.get("text") or ""
+                self.metrics.messages_in.inc(label="text_frame")
+                if len(text) > cap:
+                    raise Refusal(
+                        "oversize",
+                        f"message of {len(text)} bytes exceeds the {cap} byte limit",
+                        CLOSE_TOO_BIG,
+                    )
+                continue
+            self.metrics.bytes_in.inc(len(data))
+            if len(data) > cap:
+                raise Refusal(
+                    "oversize", f"message of {len(data)} bytes exceeds the {cap} byte limit", CLOSE_TOO_BIG
+                )
+            decoded = protocol.decode(data)
+            if decoded is None:
+                continue
+            kind = Kind(decoded.kind).name.lower() if decoded.known else "unknown"
+            self.metrics.messages_in.inc(label=kind)
+            if decoded.kind == Kind.AUDIO:
+                self._accept_audio(decoded.payload)
+            # Control, ping and unknown kinds are ignored (the reference server ignores them too).
+
+    def _accept_audio(self, pages: bytes) -> None:
+        try:
+            chunks = self._reader.feed(pages)
+        except ValueError as exc:  # OggError
+            raise Refusal("malformed_audio", f"malformed Ogg-Opus audio: {exc}", CLOSE_INVALID_DATA) from None
+        if self._streaming:  # audio sent before the handshake is decoded (headers) but not used
+            for pcm in chunks:
+                if len(pcm):
+                    self.session.push(pcm)
+
+    async def _send_loop(self) -> None:
+        writer = OggOpusWriter(sample_rate=SAMPLE_RATE, frame_ms=20)
+        async for out in self.session.frames():
+            if out.text:
+                await self._send(protocol.encode_text(out.text))
+            pages = writer.write(out.pcm)
+            if pages:
+                await self._send(protocol.encode_audio(pages))
+
+    # -- sending -------------------------------------------------------------------------------
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            async with self._send_lock:
+                await asyncio.wait_for(self.ws.send_bytes(data), timeout=self.settings.send_timeout_s)
+        except asyncio.TimeoutError:
+            raise Refusal("slow_client", "the client stopped reading audio", CLOSE_POLICY) from None
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            raise ClientGone from None
+        self.metrics.bytes_out.inc(len(data))
+
+    async def _refuse(self, refusal: Refusal) -> None:
+        """0x05 with the reason, then close. Best effort: the client may already be gone."""
+        self.metrics.errors.inc(label=refusal.kind)
+        if refusal.kind not in ("session_ended",):
+            log.info("chat refused (%s): %s", refusal.kind, refusal.message)
+        with contextlib.suppress(Exception):
+            async with self._send_lock:
+                await asyncio.wait_for(
+                    self.ws.send_bytes(protocol.encode_error(refusal.message)), timeout=2.0
+                )
+            self.metrics.bytes_out.inc(1 + len(refusal.message.encode()))
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(code=refusal.code, reason=refusal.kind[:120]), timeout=2.0)
+
+
+async def chat_endpoint(ws: WebSocket) -> None:
+    app = ws.app
+    await ChatConnection(ws, app.state.settings, app.state.server_metrics, app.state).run()

@@ -1,0 +1,152 @@
+"""`personaplex-voice serve`: run the server under uvicorn.
+
+Every flag has a `PERSONAPLEX_<NAME>` environment variable (e.g. `PERSONAPLEX_MAX_SESSIONS=8`);
+a flag given on the command line wins over the environment. Defaults live in `ServerSettings`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from personaplex_voice.errors import UserError
+from personaplex_voice.server.config import ServerSettings
+
+
+def serve(
+    host: Annotated[
+        str | None, typer.Option(help="Interface to bind [env PERSONAPLEX_HOST; default 127.0.0.1]")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port [env PERSONAPLEX_PORT; default 8998]")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="`demo`, a Hugging Face repo id or a local model dir [env PERSONAPLEX_MODEL]"),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cuda, cuda:N, cpu or auto [env PERSONAPLEX_DEVICE]")
+    ] = None,
+    max_sessions: Annotated[
+        int | None,
+        typer.Option(help="Concurrent conversations = batch slots [env PERSONAPLEX_MAX_SESSIONS; 4]"),
+    ] = None,
+    max_queue: Annotated[
+        int | None, typer.Option(help="Callers that may wait for a free slot [env PERSONAPLEX_MAX_QUEUE; 0]")
+    ] = None,
+    ssl: Annotated[
+        Path | None,
+        typer.Option(help="Directory with cert.pem and key.pem: serve https/wss [env PERSONAPLEX_SSL]"),
+    ] = None,
+    voice_dir: Annotated[
+        Path | None, typer.Option(help="Extra directory of voice prompts [env PERSONAPLEX_VOICE_DIR]")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="Require this key (?token=, Bearer or X-API-Key) [env PERSONAPLEX_API_KEY]"),
+    ] = None,
+    allowed_origins: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated browser origins allowed on /api/chat [env PERSONAPLEX_ALLOWED_ORIGINS]"
+        ),
+    ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="`model` (PersonaPlex) or `echo` (loopback, no torch) [env PERSONAPLEX_ENGINE]"),
+    ] = None,
+    twilio: Annotated[
+        bool | None,
+        typer.Option(
+            "--twilio/--no-twilio", help="Mount the Twilio bridge at /twilio [env PERSONAPLEX_TWILIO]"
+        ),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option(help="debug, info, warning [env PERSONAPLEX_LOG_LEVEL]")
+    ] = None,
+) -> None:
+    """Serve /api/chat, the browser client, health and metrics."""
+    given = {name: value for name, value in locals().items() if value is not None}
+    try:
+        settings = ServerSettings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise UserError(f"invalid server settings: {problems}") from None
+    run_server(settings)
+
+
+class RedactTokens(logging.Filter):
+    """Uvicorn logs request lines with their query string: keep API keys out of the logs."""
+
+    _TOKEN = re.compile(r"(token=)[^&\s\"']+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                self._TOKEN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
+        if isinstance(record.msg, str):
+            record.msg = self._TOKEN.sub(r"\1***", record.msg)
+        return True
+
+
+def run_server(settings: ServerSettings) -> None:
+    import uvicorn
+
+    from personaplex_voice.server.app import create_app
+
+    ssl_files = settings.ssl_files()
+    if ssl_files is not None:
+        for path in ssl_files:
+            if not path.is_file():
+                raise UserError(f"--ssl {settings.ssl}: {path.name} not found (need cert.pem and key.pem)")
+    if settings.voice_dir is not None and not settings.voice_dir.is_dir():
+        raise UserError(f"--voice-dir {settings.voice_dir}: not a directory")
+
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logging.getLogger(name).addFilter(RedactTokens())
+
+    failure: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_error(exc: BaseException) -> None:
+        failure.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_load_error=on_load_error)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        ssl_certfile=str(ssl_files[0]) if ssl_files else None,
+        ssl_keyfile=str(ssl_files[1]) if ssl_files else None,
+        log_level=settings.log_level.lower(),
+        # Above our own per-message cap, so an oversize message gets a 0x05 from us, not a bare close.
+        ws_max_size=max(16 * 1024 * 1024, 4 * settings.max_message_bytes),
+        ws_per_message_deflate=False,  # Opus does not compress; deflate would only cost CPU
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    logging.getLogger("personaplex_voice.server").info(
+        "serving %s on %s://%s:%d/ (engine %s)",
+        settings.model if settings.engine == "model" else "echo",
+        settings.scheme,
+        settings.host,
+        settings.port,
+        settings.engine,
+    )
+    server.run()
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, UserError):
+            raise exc
+        raise UserError(f"could not load the model: {exc}") from exc

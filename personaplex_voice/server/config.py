@@ -1,0 +1,66 @@
+"""Server settings: one object, filled from CLI flags, `PERSONAPLEX_*` environment variables or code.
+
+Precedence (pydantic-settings): values passed to the constructor (the CLI passes only the flags a
+user actually gave) > environment variables > the defaults below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8998, ge=0, le=65535)
+    # `demo` (tiny random model), a Hugging Face repo id, or a local model dir (layout of golden/).
+    model: str = "nvidia/personaplex-7b-v1"
+    # `auto` picks cuda when available; resolved by the engine factory (never imports torch for echo).
+    device: str = "auto"
+    # `model` runs PersonaPlex; `echo` runs the LoopbackEngine (no torch) for wiring and load tests.
+    engine: Literal["model", "echo"] = "model"
+    max_sessions: int = Field(4, ge=1, le=256, description="batch slots = concurrent conversations")
+    max_queue: int = Field(0, ge=0, le=10_000, description="callers allowed to wait for a slot")
+    ssl: Path | None = Field(None, description="directory holding cert.pem and key.pem")
+    voice_dir: Path | None = Field(None, description="extra directory of voice prompts (.pt or audio)")
+    api_key: SecretStr | None = None
+    # Comma-separated list of allowed browser origins; empty or "*" allows every origin.
+    allowed_origins: str = "*"
+    twilio: bool = False
+    # Largest WebSocket message accepted on /api/chat (an Ogg page is at most ~64 KiB).
+    max_message_bytes: int = Field(256 * 1024, ge=1024, le=16 * 1024 * 1024)
+    max_prompt_chars: int = Field(4000, ge=1)
+    # A client that does not read for this long is disconnected (its slot is needed by others).
+    send_timeout_s: float = Field(10.0, gt=0)
+    log_level: str = "info"
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        return None if value in ("", None) else value
+
+    @field_validator("ssl", "voice_dir", mode="before")
+    @classmethod
+    def _empty_path_is_none(cls, value: object) -> object:
+        return None if value in ("", None) else value
+
+    @property
+    def origins(self) -> list[str]:
+        """The allow-list, or [] when every origin is allowed."""
+        items = [o.strip().rstrip("/") for o in self.allowed_origins.split(",") if o.strip()]
+        return [] if not items or "*" in items else items
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl else "http"
+
+    def ssl_files(self) -> tuple[Path, Path] | None:
+        """(cert.pem, key.pem) inside the --ssl directory, or None when serving plain http."""
+        if self.ssl is None:
+            return None
+        return self.ssl / "cert.pem", self.ssl / "key.pem"

@@ -1,0 +1,316 @@
+// The page: prompt and voice choice, one /api/chat conversation, transcript, stats, recording.
+import { Kind, chatUrl, decodeMessage, encodeAudio } from "./protocol.js";
+import { OggOpusDecoder, OggOpusEncoder, Resampler, WIRE_RATE, webCodecsAvailable } from "./opus.js";
+import { ConversationRecorder } from "./recorder.js";
+
+// The reference client's prompt examples (assistant, customer service, casual, astronaut).
+const PRESETS = [
+  {
+    label: "Assistant",
+    text: "You are a wise and friendly teacher. Answer questions or provide advice in a clear and engaging way.",
+  },
+  {
+    label: "Customer service",
+    text: "You work for CitySan Services which is a waste management and your name is Ayelen Lucero. Information: Verify customer name Omar Torres. Current schedule: every other week. Upcoming pickup: April 12th. Compost bin service available for $8/month add-on.",
+  },
+  {
+    label: "Casual",
+    text: "You enjoy having a good conversation. Have a casual discussion about eating at home versus dining out.",
+  },
+  {
+    label: "Astronaut",
+    text: "You enjoy having a good conversation. Have a technical discussion about fixing a reactor core on a spaceship to Mars. You are an astronaut on a Mars mission. Your name is Alex. You are already dealing with a reactor core meltdown on a Mars mission. Several ship systems are failing, and continued instability will lead to catastrophic failure. You explain what is happening and you urgently ask for help thinking through how to stabilize the reactor.",
+  },
+];
+
+const $ = (id) => document.getElementById(id);
+const pageParams = new URLSearchParams(location.search);
+
+// Everything a test (or a curious user in the console) may want to read.
+const state = {
+  phase: "idle", // idle | connecting | queued | preparing | live | ended
+  stats: { played: 0, missed: 0, dropped: 0, buffered: 0, sampleRate: 0, sentBytes: 0, receivedBytes: 0 },
+  transcript: "",
+  metadata: null,
+  error: null,
+  micSamplesSent: 0,
+};
+window.personaplex = state;
+
+let call = null; // the live conversation's resources
+
+function setStatus(text, phase) {
+  if (phase) state.phase = phase;
+  $("status").textContent = text;
+}
+
+function showError(text) {
+  state.error = text;
+  $("error").textContent = text;
+  $("error").hidden = !text;
+}
+
+function setupPresets() {
+  const prompt = $("prompt");
+  const buttons = PRESETS.map((preset) => {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = preset.label;
+    button.addEventListener("click", () => {
+      prompt.value = preset.text;
+      buttons.forEach((b) => b.setAttribute("aria-pressed", String(b === button)));
+    });
+    $("presets").append(button);
+    return button;
+  });
+  prompt.value = PRESETS[0].text;
+  buttons[0].setAttribute("aria-pressed", "true");
+}
+
+function tokenParams() {
+  const token = $("token").value.trim();
+  return token ? { token } : {};
+}
+
+async function loadVoices() {
+  const url = new URL("/api/voices", location.href);
+  for (const [k, v] of Object.entries(tokenParams())) url.searchParams.set(k, v);
+  try {
+    const response = await fetch(url);
+    if (response.status === 401) {
+      showError("The server needs an API key: enter it under Advanced, then reload the voice list by reconnecting.");
+      return;
+    }
+    if (!response.ok) return; // still loading: the default voice works
+    const { voices } = await response.json();
+    const select = $("voice");
+    const current = select.value;
+    select.replaceChildren(new Option("(server default)", ""));
+    for (const voice of voices) select.append(new Option(`${voice.name} (${voice.kind})`, voice.name));
+    if ([...select.options].some((o) => o.value === current)) select.value = current;
+  } catch (e) {
+    console.warn("voice list unavailable", e);
+  }
+}
+
+async function openAudio() {
+  let ctx;
+  try {
+    ctx = new AudioContext({ sampleRate: WIRE_RATE, latencyHint: "interactive" });
+  } catch {
+    ctx = new AudioContext({ latencyHint: "interactive" }); // this browser resamples in JS then
+  }
+  await ctx.resume();
+  await ctx.audioWorklet.addModule("worklets.js");
+  const stream = await navigator.mediaDevices.getUserMedia({
+    audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+  });
+  const mic = ctx.createMediaStreamSource(stream);
+  const playback = new AudioWorkletNode(ctx, "playback", { numberOfInputs: 0, outputChannelCount: [1] });
+  const capture = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 2, numberOfOutputs: 1 });
+  mic.connect(capture, 0, 0);
+  playback.connect(capture, 0, 1);
+  playback.connect(ctx.destination);
+  capture.connect(ctx.destination); // silent; keeps the capture node running
+  return { ctx, stream, mic, playback, capture };
+}
+
+function closeAudio(audio) {
+  if (!audio) return;
+  audio.stream.getTracks().forEach((t) => t.stop());
+  audio.ctx.close();
+}
+
+async function connect() {
+  showError("");
+  if (!webCodecsAvailable()) {
+    showError("This browser has no WebCodecs Opus support. Use a recent Chrome, Edge or Safari.");
+    return;
+  }
+  if (!window.isSecureContext) {
+    showError("The microphone needs https (or localhost). Start the server with --ssl DIR.");
+    return;
+  }
+  $("transcript").textContent = "";
+  state.transcript = "";
+  state.micSamplesSent = 0;
+  setStatus("Opening the microphone…", "connecting");
+  $("connect").disabled = true;
+
+  let audio;
+  try {
+    audio = await openAudio();
+  } catch (e) {
+    $("connect").disabled = false;
+    setStatus("Not connected.", "idle");
+    showError(`Could not open the microphone: ${e.message || e}`);
+    return;
+  }
+
+  const params = {
+    text_prompt: $("prompt").value,
+    voice_prompt: $("voice").value,
+    seed: $("seed").value,
+    text_temperature: $("text-temperature").value,
+    audio_temperature: $("audio-temperature").value,
+    ...tokenParams(),
+  };
+  const ws = new WebSocket(chatUrl(params));
+  ws.binaryType = "arraybuffer";
+  const recorder = new ConversationRecorder(audio.ctx.sampleRate);
+  const toWire = new Resampler(audio.ctx.sampleRate, WIRE_RATE);
+  const onCodecError = (text) => {
+    showError(text);
+    ws.close();
+  };
+  const encoder = new OggOpusEncoder((pages) => send(pages), onCodecError);
+  const decoder = new OggOpusDecoder(
+    audio.ctx.sampleRate,
+    (pcm) => audio.playback.port.postMessage({ type: "pcm", samples: pcm }, [pcm.buffer]),
+    onCodecError,
+  );
+  call = { ws, audio, encoder, decoder, recorder, live: false, serverError: null };
+
+  function send(pages) {
+    if (ws.readyState !== WebSocket.OPEN) return;
+    const message = encodeAudio(pages);
+    state.stats.sentBytes += message.length;
+    ws.send(message);
+  }
+
+  audio.capture.port.onmessage = ({ data }) => {
+    recorder.add(data.agent, data.mic);
+    if (!call || !call.live) return; // like the reference client: audio flows after the handshake
+    const pcm = toWire.process(data.mic);
+    state.micSamplesSent += pcm.length;
+    encoder.encode(pcm);
+  };
+  audio.playback.port.onmessage = ({ data }) => {
+    Object.assign(state.stats, data);
+    renderStats();
+  };
+
+  ws.onopen = () => setStatus("Connected; preparing the persona…", "preparing");
+  ws.onmessage = (event) => {
+    state.stats.receivedBytes += event.data.byteLength;
+    const msg = decodeMessage(event.data);
+    if (!msg) return;
+    switch (msg.kind) {
+      case Kind.METADATA:
+        onMetadata(msg.data);
+        break;
+      case Kind.HANDSHAKE:
+        call.live = true;
+        audio.playback.port.postMessage({ type: "reset" });
+        $("record").disabled = false;
+        $("connect").disabled = false;
+        $("connect").textContent = "Disconnect";
+        setStatus("Live: speak now.", "live");
+        break;
+      case Kind.AUDIO:
+        decoder.push(msg.payload);
+        break;
+      case Kind.TEXT:
+        state.transcript += msg.text;
+        $("transcript").textContent = state.transcript;
+        $("transcript").scrollTop = $("transcript").scrollHeight;
+        break;
+      case Kind.ERROR:
+        call.serverError = msg.text;
+        showError(`Server: ${msg.text}`);
+        break;
+      default:
+        break; // ping, control and unknown kinds are ignored
+    }
+  };
+  ws.onclose = (event) => {
+    if (call && !call.serverError && event.code !== 1000 && event.code !== 1005) {
+      showError(`The connection closed (code ${event.code}${event.reason ? `: ${event.reason}` : ""}).`);
+    }
+    hangUp(call && call.serverError ? "Ended by the server." : "Call ended.");
+  };
+}
+
+function onMetadata(data) {
+  if (!data) return;
+  state.metadata = data;
+  $("stat-session").textContent = `${data.session_id} · ${data.model} · voice ${data.voice}`;
+  if (data.queue_position > 0) {
+    const ahead = data.queue_position - 1;
+    const who = ahead === 0 ? "you are next" : `${ahead} caller${ahead === 1 ? "" : "s"} ahead of you`;
+    setStatus(`All ${data.max_sessions} line(s) are busy: waiting for a free slot (${who}).`, "queued");
+  } else if (state.phase !== "live") {
+    setStatus("Connected; preparing the persona…", "preparing");
+  }
+}
+
+function hangUp(message) {
+  if (!call) return;
+  const ending = call;
+  call = null;
+  if (ending.recorder.active) stopRecording(ending.recorder);
+  ending.encoder.close();
+  ending.decoder.close();
+  if (ending.ws.readyState <= WebSocket.OPEN) ending.ws.close(1000);
+  closeAudio(ending.audio);
+  $("connect").disabled = false;
+  $("connect").textContent = "Connect";
+  $("record").disabled = true;
+  setStatus(message, "ended");
+}
+
+function toggleRecording() {
+  if (!call) return;
+  if (call.recorder.active) stopRecording(call.recorder);
+  else {
+    call.recorder.start();
+    $("record").textContent = "Stop recording";
+    $("record").classList.add("recording");
+    $("download").hidden = true;
+  }
+}
+
+function stopRecording(recorder) {
+  const blob = recorder.stop();
+  const link = $("download");
+  if (link.href) URL.revokeObjectURL(link.href);
+  link.href = URL.createObjectURL(blob);
+  link.textContent = `Download recording (${recorder.seconds.toFixed(1)} s, agent left / you right)`;
+  link.hidden = false;
+  $("record").textContent = "Record";
+  $("record").classList.remove("recording");
+}
+
+function ms(samples, rate) {
+  return rate ? `${Math.round((1000 * samples) / rate)} ms` : "–";
+}
+
+function renderStats() {
+  const s = state.stats;
+  const rate = s.sampleRate;
+  // Conversation lag: user audio sent minus agent audio played, as the reference client shows it.
+  const sentSeconds = state.micSamplesSent / WIRE_RATE;
+  const playedSeconds = rate ? (s.played + s.missed) / rate : 0;
+  state.stats.latencyMs = Math.max(0, Math.round(1000 * (sentSeconds - playedSeconds)));
+  $("stat-latency").textContent = call && call.live ? `${state.stats.latencyMs} ms` : "–";
+  $("stat-buffer").textContent = `${ms(s.buffered, rate)} (target ${ms(s.target, rate)})`;
+  $("stat-missed").textContent = ms(s.missed, rate);
+  $("stat-dropped").textContent = ms(s.dropped, rate);
+  $("stat-played").textContent = rate ? `${(s.played / rate).toFixed(1)} s` : "–";
+  $("stat-bytes").textContent = `${(s.sentBytes / 1024).toFixed(0)} KiB / ${(s.receivedBytes / 1024).toFixed(0)} KiB`;
+}
+
+function init() {
+  setupPresets();
+  if (pageParams.get("token")) $("token").value = pageParams.get("token");
+  if (pageParams.get("prompt")) $("prompt").value = pageParams.get("prompt");
+  $("connect").addEventListener("click", () => {
+    if (call) hangUp("Call ended.");
+    else connect();
+  });
+  $("record").addEventListener("click", toggleRecording);
+  $("token").addEventListener("change", loadVoices);
+  loadVoices();
+}
+
+init();
