@@ -15,6 +15,7 @@ Errors meant for the user are raised as `personaplex_voice.errors.UserError` (or
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     if "--debug" in args:
         args.remove("--debug")
         debug = True
+    # Warnings (e.g. "the demo model babbles") reach the terminal as one plain line each.
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s"
+    )
     try:
         app(args=args, standalone_mode=False)
     except (UserError, EngineError) as exc:

@@ -71,11 +71,3 @@ def parse_dtype(name: str | None) -> Any:
     if name not in table:
         raise UserError(f"--dtype {name}: choose one of auto, {', '.join(table)}")
     return table[name]
-
-
-def print_demo_notice(model: str) -> None:
-    """Say plainly, on stderr, that the demo model babbles."""
-    if model == "demo":
-        from personaplex_voice.engine.demo import DEMO_NOTICE
-
-        typer.echo(f"note: {DEMO_NOTICE}", err=True)

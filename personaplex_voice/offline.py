@@ -30,7 +30,6 @@ from personaplex_voice.cli_options import (
     TokenizerOpt,
     VoiceDirOpt,
     parse_dtype,
-    print_demo_notice,
     source_overrides,
 )
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Engine, Persona, Sampling
@@ -181,7 +180,6 @@ def offline(
     persona = Persona(
         text_prompt=text_prompt, voice=voice, sampling=sampling, seed=None if seed == -1 else seed
     )
-    print_demo_notice(model)
     engine = build_engine(
         model,
         num_slots=1,

@@ -23,7 +23,6 @@ from personaplex_voice.cli_options import (
     TokenizerOpt,
     VoiceDirOpt,
     parse_dtype,
-    print_demo_notice,
     source_overrides,
 )
 from personaplex_voice.errors import UserError
@@ -80,7 +79,6 @@ def make_voice(
         raise UserError(f"--audio {audio}: no such audio file")
     # Read and normalise (24 kHz mono, -24 LUFS) exactly as a .wav voice is at call time.
     pcm = load_voice_audio(audio)
-    print_demo_notice(model)
     engine = build_engine(
         model,
         num_slots=1,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -28,7 +27,6 @@ import numpy as np
 if TYPE_CHECKING:
     from personaplex_voice.model.config import ModelConfig
 
-log = logging.getLogger(__name__)
 
 DEMO_NOTICE = (
     "the demo model has random weights: it babbles, it does not talk. It is there to wire things up; "
@@ -197,7 +195,6 @@ def cache_root() -> Path:
 
 def demo_assets() -> DemoAssets:
     """Make (at first use) and return the demo's tokenizer and voices. Safe to call concurrently."""
-    log.warning(DEMO_NOTICE)
     root = cache_root() / "demo" / ASSETS_VERSION
     voices = root / "voices"
     voices.mkdir(parents=True, exist_ok=True)

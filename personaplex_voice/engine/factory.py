@@ -6,11 +6,14 @@ the same everywhere.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from personaplex_voice.engine.base import Engine
 from personaplex_voice.errors import UserError
+
+log = logging.getLogger(__name__)
 
 ENGINE_KINDS = ("model", "echo")
 # resolve_model's keyword arguments; everything else in **overrides goes to the engine.
@@ -52,8 +55,9 @@ def build_engine(
     from personaplex_voice.engine.generator import PersonaPlexEngine
 
     if files.is_demo:
-        from personaplex_voice.engine.demo import seeded_weights
+        from personaplex_voice.engine.demo import DEMO_NOTICE, seeded_weights
 
+        log.warning(DEMO_NOTICE)
         # Random init under a fixed seed: the demo babbles the same way on every start.
         with seeded_weights(device):
             return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
