@@ -1,0 +1,254 @@
+"""Remote backend: a personaplex-voice server's `/api/chat` (the native protocol, Ogg-Opus audio).
+
+One WebSocket per session. The server sends 0x04 metadata (again while the caller waits in its
+queue), 0x00 once the system prompt is in the slot, then 0x01 Ogg-Opus pages and 0x02 text
+pieces; any refusal is a 0x05 message with the reason, then a close. Connecting is retried with
+exponential backoff when the server cannot be reached; a refusal is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
+from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Persona
+from personaplex_voice.server import protocol
+from personaplex_voice.server.protocol import ChatParams, Kind
+
+from .backends import AgentFrame, BackendUnavailable, SessionLost, SessionRefused
+
+log = logging.getLogger("personaplex_pipecat.remote")
+
+# User audio waiting to be encoded and sent; past this the oldest is dropped (a stalled socket
+# must not turn into seconds of latency once it recovers).
+MAX_SEND_BACKLOG_S = 1.0
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delays between connection attempts: `initial_s`, doubling, capped at `max_s`."""
+
+    attempts: int = 5
+    initial_s: float = 0.5
+    max_s: float = 8.0
+
+    def delays(self) -> list[float]:
+        return [min(self.max_s, self.initial_s * 2**i) for i in range(max(0, self.attempts - 1))]
+
+
+def _persona_query(persona: Persona) -> ChatParams:
+    sampling = persona.sampling
+    return ChatParams(
+        text_prompt=persona.text_prompt,
+        voice_prompt=persona.voice,
+        seed=persona.seed,
+        text_temperature=sampling.text_temperature,
+        text_topk=sampling.text_topk,
+        audio_temperature=sampling.audio_temperature,
+        audio_topk=sampling.audio_topk,
+        greedy=sampling.greedy,
+    )
+
+
+class RemoteSession:
+    def __init__(self, ws: ClientConnection, url: str, metadata: dict[str, Any]):
+        self._ws = ws
+        self._url = url
+        self.metadata = metadata
+        self._writer = OggOpusWriter(sample_rate=SAMPLE_RATE, frame_ms=20)
+        self._reader = OggOpusReader(sample_rate=SAMPLE_RATE)
+        self._pending: collections.deque[np.ndarray] = collections.deque()
+        self._pending_samples = 0
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._sender = asyncio.create_task(self._send_loop(), name="personaplex-remote-send")
+        self.dropped_samples = 0
+
+    @property
+    def description(self) -> str:
+        return f"remote session {self.metadata.get('session_id', '?')} at {self._url.split('?')[0]}"
+
+    def push(self, pcm: np.ndarray) -> None:
+        if self._closing or not len(pcm):
+            return
+        self._pending.append(np.asarray(pcm, np.float32))
+        self._pending_samples += len(pcm)
+        while self._pending_samples > MAX_SEND_BACKLOG_S * SAMPLE_RATE and len(self._pending) > 1:
+            old = self._pending.popleft()
+            self._pending_samples -= len(old)
+            self.dropped_samples += len(old)
+        self._wakeup.set()
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                while self._pending:
+                    pcm = self._pending.popleft()
+                    self._pending_samples -= len(pcm)
+                    pages = self._writer.write(pcm)
+                    if pages:
+                        await self._ws.send(protocol.encode_audio(pages))
+        except ConnectionClosed:
+            pass  # the receive side reports why
+
+    async def frames(self) -> AsyncIterator[AgentFrame]:
+        pending = np.zeros(0, np.float32)
+        try:
+            async for data in self._ws:
+                message = protocol.decode(data) if isinstance(data, bytes) else None
+                if message is None:
+                    continue
+                if message.kind == Kind.AUDIO:
+                    pcm = self._reader.feed(message.payload)
+                    if pcm:
+                        pending = np.concatenate([pending, *pcm])
+                    while len(pending) >= FRAME_SIZE:
+                        yield AgentFrame(pcm=pending[:FRAME_SIZE])
+                        pending = pending[FRAME_SIZE:]
+                elif message.kind == Kind.TEXT:
+                    yield AgentFrame(text=message.text())
+                elif message.kind == Kind.ERROR:
+                    raise SessionRefused(f"server ended the session: {message.text()}")
+                # metadata, ping and unknown kinds carry nothing for the pipeline
+        except ConnectionClosed:
+            pass
+        if not self._closing:
+            why = _close_text(self._ws) or "connection lost"
+            raise SessionLost(f"the server closed the session ({why})")
+
+    async def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._sender
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._ws.close(), timeout=2.0)
+
+
+class RemoteBackend:
+    """Sessions on a personaplex-voice server.
+
+    `url`: `ws://host:port/api/chat` or `wss://...`. `api_key`: sent as `Authorization: Bearer`.
+    `ready_timeout_s`: how long to wait for the system prompt (queueing included) before giving up.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        backoff: Backoff | None = None,
+        open_timeout_s: float = 10.0,
+        ready_timeout_s: float = 60.0,
+        model_name: str = "personaplex (remote)",
+    ):
+        if not url.startswith(("ws://", "wss://")):
+            raise ValueError(f"url must start with ws:// or wss://, got {url!r}")
+        self.url = url
+        self._api_key = api_key
+        self.backoff = backoff or Backoff()
+        self._open_timeout_s = open_timeout_s
+        self._ready_timeout_s = ready_timeout_s
+        self._model_name = model_name
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    async def prepare(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def open(self, persona: Persona) -> RemoteSession:
+        url = _persona_query(persona).url(self.url)
+        delays = self.backoff.delays()
+        for attempt in range(len(delays) + 1):
+            try:
+                return await self._open_once(url)
+            except BackendUnavailable as exc:
+                if attempt == len(delays):
+                    raise BackendUnavailable(f"{exc} (gave up after {attempt + 1} attempts)") from exc
+                log.warning("%s; retrying in %.1f s", exc, delays[attempt])
+                await asyncio.sleep(delays[attempt])
+        raise AssertionError("unreachable")
+
+    async def _open_once(self, url: str) -> RemoteSession:
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
+        where = self.url
+        try:
+            ws = await connect(
+                url,
+                additional_headers=headers,
+                open_timeout=self._open_timeout_s,
+                max_size=4 * 1024 * 1024,
+                compression=None,
+            )
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if status in (401, 403, 404):
+                raise SessionRefused(f"{where} refused the connection (HTTP {status})") from exc
+            raise BackendUnavailable(f"{where} answered HTTP {status}") from exc
+        except InvalidURI as exc:
+            raise SessionRefused(f"bad server url {where}: {exc}") from exc
+        except (OSError, TimeoutError, InvalidHandshake) as exc:
+            raise BackendUnavailable(f"cannot connect to {where}: {exc or type(exc).__name__}") from exc
+        try:
+            metadata = await asyncio.wait_for(self._await_handshake(ws), timeout=self._ready_timeout_s)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), timeout=2.0)
+            if isinstance(exc, TimeoutError):
+                raise BackendUnavailable(
+                    f"{where} did not get the session ready within {self._ready_timeout_s:.0f} s"
+                ) from exc
+            raise
+        return RemoteSession(ws, url, metadata)
+
+    async def _await_handshake(self, ws: ClientConnection) -> dict[str, Any]:
+        metadata: dict[str, Any] = {}
+        try:
+            async for data in ws:
+                message = protocol.decode(data) if isinstance(data, bytes) else None
+                if message is None:
+                    continue
+                if message.kind == Kind.HANDSHAKE:
+                    return metadata
+                if message.kind == Kind.ERROR:
+                    raise SessionRefused(f"{self.url} refused the session: {message.text()}")
+                if message.kind == Kind.METADATA:
+                    with contextlib.suppress(ValueError):
+                        metadata = dict(message.json())
+                    if metadata.get("queue_position"):
+                        log.info(
+                            "waiting for a slot at %s (position %s)", self.url, metadata["queue_position"]
+                        )
+        except ConnectionClosed:
+            pass
+        why = _close_text(ws)
+        raise BackendUnavailable(f"{self.url} closed the connection before the session was ready ({why})")
+
+
+def _close_text(ws: ClientConnection) -> str:
+    code, reason = ws.close_code, ws.close_reason
+    if code is None:
+        return ""
+    return f"code {code} {reason or ''}".strip()
+
+
+__all__ = ["Backoff", "RemoteBackend", "RemoteSession"]

@@ -1,0 +1,429 @@
+"""`PersonaPlexLLMService`: PersonaPlex as a Pipecat realtime speech-to-speech service.
+
+It takes the place of `OpenAIRealtimeLLMService` / `GeminiLiveLLMService` in a pipeline:
+
+    transport.input() -> PersonaPlexLLMService(...) -> transport.output()
+
+User audio (`InputAudioRawFrame`, any rate) goes to the model continuously; the model is full
+duplex and decides by itself when to talk, listen, back-channel or stop for a barge-in. Its
+continuous 80 ms output frames are cut into utterances (see `pacing.UtteranceTracker`), each one
+sent as
+
+    LLMFullResponseStartFrame, TTSStartedFrame,
+    TTSAudioRawFrame (pipeline output rate) ... with LLMTextFrame + TTSTextFrame per text piece,
+    TTSStoppedFrame, LLMFullResponseEndFrame
+
+and at most one frame of audio is kept ahead of real-time playback (see `pacing.PlayoutGate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from loguru import logger
+
+from personaplex_voice.audio.resample import StreamingResampler
+from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Persona, Sampling
+from pipecat.audio.utils import create_stream_resampler
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InputAudioRawFrame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMServiceMetadataFrame,
+    LLMTextFrame,
+    StartFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+)
+from pipecat.processors.frame_processor import FrameDirection
+from pipecat.services.llm_service import LLMService
+from pipecat.services.settings import LLMSettings
+from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
+from pipecat.utils.text.base_text_aggregator import TextType
+from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
+
+from .backends import Backend, BackendSession, BackendUnavailable, SessionLost, SessionRefused
+from .pacing import Edge, PlayoutGate, SpeechEndDetector, UtteranceTracker
+
+FRAME_S = FRAME_SIZE / SAMPLE_RATE  # 0.08
+
+
+@dataclass
+class PersonaPlexLLMSettings(LLMSettings):
+    """Runtime-updatable settings of `PersonaPlexLLMService`.
+
+    `system_instruction` is PersonaPlex's text prompt and `seed` its sampling seed (both
+    inherited from `LLMSettings`); `voice` names a voice prompt known to the model (e.g.
+    "NATF2"), None for the default; `sampling` holds temperatures and top-k for text and audio.
+    A persona is fixed for the life of a session: changes apply from the next session.
+    """
+
+    voice: str | NotGiven | None = field(default_factory=lambda: NOT_GIVEN)
+    sampling: Sampling | NotGiven = field(default_factory=lambda: NOT_GIVEN)
+
+
+class PersonaPlexLLMService(LLMService):
+    """NVIDIA PersonaPlex full-duplex speech-to-speech, in-process or on a personaplex-voice server.
+
+    Pick where the model runs with exactly one of:
+      `backend`: an `InProcessBackend` / `RemoteBackend` (share one across calls; you close it);
+      `url` (+ `api_key`): a server's `ws[s]://host:port/api/chat`;
+      `manager`: a running `SessionManager` in this process;
+      `model`: build the model in this process on first use (`"demo"`, a model dir, a hub id;
+        `engine_options` go to `build_engine`, e.g. `device="cuda"`).
+
+    Args:
+        text_prompt: the persona's system prompt (PersonaPlex "text prompt").
+        voice: a voice prompt name known to the model ("NATF2"), None for the default voice.
+        sampling: temperatures / top-k (`personaplex_voice.engine.base.Sampling`).
+        seed: sampling seed; None picks one per session.
+        speech_threshold_db: agent audio at or above this RMS level (dBFS) counts as speech.
+        hangover_s: quiet agent audio that ends an utterance (rounded to 80 ms frames).
+        max_audio_ahead_s: audio allowed to wait downstream ahead of real-time playback when a
+            frame is pushed (one 80 ms frame); later frames of a burst are dropped. None turns the
+            gate off (pipelines that do not play audio in real time).
+        reconnect_attempts: how many times a session lost mid-call (dropped connection) is
+            reopened before giving up with an ErrorFrame. Refusals are never retried.
+    """
+
+    Settings = PersonaPlexLLMSettings
+    _settings: PersonaPlexLLMSettings
+
+    def __init__(
+        self,
+        *,
+        backend: Backend | None = None,
+        url: str | None = None,
+        api_key: str | None = None,
+        manager: Any = None,
+        model: str | None = None,
+        engine_options: dict[str, Any] | None = None,
+        text_prompt: str = "",
+        voice: str | None = None,
+        sampling: Sampling | None = None,
+        seed: int | None = None,
+        settings: PersonaPlexLLMSettings | None = None,
+        speech_threshold_db: float = -45.0,
+        hangover_s: float = 0.48,
+        max_audio_ahead_s: float | None = FRAME_S,
+        reconnect_attempts: int = 2,
+        **kwargs: Any,
+    ):
+        chosen = [
+            name
+            for name, v in (("backend", backend), ("url", url), ("manager", manager), ("model", model))
+            if v is not None
+        ]
+        if len(chosen) != 1:
+            raise ValueError(f"pass exactly one of backend, url, manager or model (got {chosen or 'none'})")
+        self._owns_backend = backend is None
+        if backend is None:
+            backend = _backend_from(
+                url=url, api_key=api_key, manager=manager, model=model, options=engine_options
+            )
+        self._backend: Backend = backend
+
+        default_settings = self.Settings(
+            model=backend.model_name,
+            system_instruction=text_prompt,
+            temperature=None,
+            max_tokens=None,
+            top_p=None,
+            top_k=None,
+            frequency_penalty=None,
+            presence_penalty=None,
+            seed=seed,
+            filter_incomplete_user_turns=False,
+            user_turn_completion_config=None,
+            voice=voice,
+            sampling=sampling or Sampling(),
+        )
+        if settings is not None:
+            default_settings.apply_update(settings)
+        super().__init__(settings=default_settings, **kwargs)
+
+        self._speech_threshold_db = speech_threshold_db
+        self._tracker = UtteranceTracker(speech_threshold_db, max(1, round(hangover_s / FRAME_S)))
+        self._gate = PlayoutGate(max_audio_ahead_s)
+        self._user_speech = SpeechEndDetector(speech_threshold_db)
+        self._reconnect_attempts = reconnect_attempts
+
+        self._session: BackendSession | None = None
+        self._session_task: asyncio.Task | None = None
+        self._stopping = False
+        self._out_rate = SAMPLE_RATE
+        self._out_resampler: StreamingResampler | None = None
+        self._in_resamplers: dict[int, Any] = {}
+        self._pipecat_resampler = create_stream_resampler()  # for rates ours does not stream
+        self._output_lock = asyncio.Lock()
+        self._processing = False  # a processing-time measurement is running
+        self.stats: dict[str, int] = {
+            "sessions": 0,
+            "utterances": 0,
+            "frames_pushed": 0,
+            "frames_dropped": 0,
+            "text_pieces": 0,
+            "input_samples_dropped": 0,
+        }
+
+    # -- Pipecat service surface ---------------------------------------------------------------
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    def service_metadata_frame(self) -> LLMServiceMetadataFrame:
+        """Realtime service. The model takes turns by itself: recommend turn strategies that never
+        broadcast interruptions, so a context aggregator's VAD cannot cut the agent's audio."""
+        return LLMServiceMetadataFrame(
+            service_name=self.name,
+            is_realtime_service=True,
+            user_turn_strategies=ExternalUserTurnStrategies(enable_interruptions=False),
+        )
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def session(self) -> BackendSession | None:
+        """The open session (None before it is ready and after the call)."""
+        return self._session
+
+    def persona(self) -> Persona:
+        s = self._settings
+        sampling = s.sampling if is_given(s.sampling) else Sampling()
+        return Persona(
+            text_prompt=str(s.system_instruction or "") if is_given(s.system_instruction) else "",
+            voice=s.voice if is_given(s.voice) else None,
+            sampling=sampling,
+            seed=s.seed if is_given(s.seed) else None,
+        )
+
+    async def _update_settings(self, delta: LLMSettings) -> dict[str, Any]:
+        changed = await super()._update_settings(delta)
+        persona_fields = {"system_instruction", "voice", "sampling", "seed"} & set(changed)
+        if persona_fields and self._session is not None:
+            logger.info(
+                f"{self}: {sorted(persona_fields)} apply from the next session (a persona is fixed per call)"
+            )
+        return changed
+
+    async def start(self, frame: StartFrame) -> None:
+        await super().start(frame)
+        self._stopping = False
+        self._out_rate = self.processor_setup.audio_out_sample_rate
+        self._out_resampler = (
+            None if self._out_rate == SAMPLE_RATE else StreamingResampler(SAMPLE_RATE, self._out_rate)
+        )
+        self._session_task = self.create_task(self._run_sessions(), name="personaplex-session")
+
+    async def stop(self, frame: EndFrame) -> None:
+        await super().stop(frame)
+        await self._end_session()
+        await self._close_utterance()
+
+    async def cancel(self, frame: CancelFrame) -> None:
+        await super().cancel(frame)
+        await self._end_session()
+
+    async def cleanup(self) -> None:
+        await super().cleanup()
+        await self._end_session()
+        if self._owns_backend:
+            await self._backend.aclose()
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, InputAudioRawFrame):
+            await self._send_user_audio(frame)
+        elif isinstance(frame, InterruptionFrame):
+            await self._handle_interruption()
+        await self.push_frame(frame, direction)
+
+    # -- session life ------------------------------------------------------------------------
+
+    async def _run_sessions(self) -> None:
+        """Open a session, stream its output; reopen it if it is lost mid-call (not if refused)."""
+        reconnects = 0
+        while not self._stopping:
+            try:
+                await self._backend.prepare()
+                session = await self._backend.open(self.persona())
+            except (SessionRefused, BackendUnavailable) as exc:
+                await self.push_error(f"PersonaPlex: {exc}", exception=exc, force_treat_as_permanent=True)
+                return
+            if self._stopping:  # ended while the session was opening
+                await session.close()
+                return
+            self._session = session
+            self.stats["sessions"] += 1
+            logger.info(f"{self}: {session.description} ready")
+            await self.start_ttfb_metrics()  # the agent may speak first
+            try:
+                async for out in session.frames():
+                    await self._handle_agent_frame(out.pcm, out.text)
+                return
+            except SessionRefused as exc:
+                await self.push_error(f"PersonaPlex: {exc}", exception=exc, force_treat_as_permanent=True)
+                return
+            except SessionLost as exc:
+                if self._stopping:
+                    return
+                if reconnects >= self._reconnect_attempts:
+                    await self.push_error(f"PersonaPlex: {exc}", exception=exc, force_treat_as_permanent=True)
+                    return
+                reconnects += 1
+                logger.warning(
+                    f"{self}: {exc}; opening a new session ({reconnects}/{self._reconnect_attempts})"
+                )
+                await self._close_utterance()
+            finally:
+                self._session = None
+                await session.close()
+
+    async def _end_session(self) -> None:
+        """Free the engine slot / close the socket now, then stop the output task."""
+        self._stopping = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+        task, self._session_task = self._session_task, None
+        if task is not None:
+            await self.cancel_task(task, timeout=2.0)
+
+    # -- user audio in -----------------------------------------------------------------------
+
+    async def _send_user_audio(self, frame: InputAudioRawFrame) -> None:
+        pcm = _pcm16_to_float(frame.audio, frame.num_channels)
+        if frame.sample_rate != SAMPLE_RATE:
+            pcm = await self._resample_input(pcm, frame.audio, frame.sample_rate, frame.num_channels)
+        session = self._session
+        if session is None:  # not ready yet: late audio would only add latency to a duplex model
+            self.stats["input_samples_dropped"] += len(pcm)
+            return
+        session.push(pcm)
+        speech_end = self._user_speech.update(pcm, time.time())
+        if speech_end is not None and not self._tracker.speaking:
+            # The user stopped and the agent is silent: time how long until it answers.
+            await self.start_ttfb_metrics(start_time=speech_end)
+            await self.start_processing_metrics(start_time=speech_end)
+            self._processing = True
+
+    async def _resample_input(self, pcm: np.ndarray, raw: bytes, rate: int, channels: int) -> np.ndarray:
+        resampler = self._in_resamplers.get(rate)
+        if resampler is None:
+            try:
+                resampler = StreamingResampler(rate, SAMPLE_RATE)
+            except ValueError:  # e.g. 44.1 kHz: fall back to Pipecat's soxr stream resampler
+                resampler = "pipecat"
+            self._in_resamplers[rate] = resampler
+        if isinstance(resampler, StreamingResampler):
+            return resampler.process(pcm)
+        mono = _float_to_pcm16(pcm)
+        out = await self._pipecat_resampler.resample(mono, rate, SAMPLE_RATE)
+        return _pcm16_to_float(out, 1)
+
+    # -- agent audio and text out --------------------------------------------------------------
+
+    async def _handle_agent_frame(self, pcm: np.ndarray | None, text: str | None) -> None:
+        text = text or None
+        async with self._output_lock:
+            edge = self._tracker.update(pcm, text)
+            if edge is Edge.STARTED:
+                await self._open_utterance()
+            if text is not None:  # a text piece always keeps (or starts) an utterance
+                await self._push_text(text)
+            if pcm is not None:
+                audio = self._out_resampler.process(pcm) if self._out_resampler else pcm
+                if edge is not Edge.NONE:
+                    await self._push_audio(audio)
+            if edge is Edge.ENDED:
+                await self._close_utterance_locked()
+
+    async def _open_utterance(self) -> None:
+        self.stats["utterances"] += 1
+        await self.stop_ttfb_metrics()
+        if not self._processing:
+            await self.start_processing_metrics()
+            self._processing = True
+        await self.push_frame(LLMFullResponseStartFrame())
+        await self.push_frame(TTSStartedFrame())
+
+    async def _push_text(self, text: str) -> None:
+        self.stats["text_pieces"] += 1
+        # Like OpenAI Realtime: LLMTextFrame for RTVI's bot-llm-text (kept out of the context),
+        # TTSTextFrame for what the bot says (the assistant aggregator records that one).
+        llm_text = LLMTextFrame(text)
+        llm_text.append_to_context = False
+        await self.push_frame(llm_text)
+        spoken = TTSTextFrame(text, text_type=TextType.TOKEN)
+        spoken.includes_inter_frame_spaces = True
+        await self.push_frame(spoken)
+
+    async def _push_audio(self, audio: np.ndarray) -> None:
+        if not len(audio):
+            return
+        if not self._gate.admit(len(audio) / self._out_rate):
+            self.stats["frames_dropped"] += 1
+            return
+        self.stats["frames_pushed"] += 1
+        await self.push_frame(
+            TTSAudioRawFrame(audio=_float_to_pcm16(audio), sample_rate=self._out_rate, num_channels=1)
+        )
+
+    async def _close_utterance(self) -> None:
+        async with self._output_lock:
+            if self._tracker.speaking:
+                self._tracker.reset()
+                await self._close_utterance_locked()
+
+    async def _close_utterance_locked(self) -> None:
+        await self.push_frame(TTSStoppedFrame())
+        await self.push_frame(LLMFullResponseEndFrame())
+        if self._processing:
+            await self.stop_processing_metrics()
+            self._processing = False
+
+    async def _handle_interruption(self) -> None:
+        """Someone broadcast an interruption (a VAD-driven turn strategy, an RTVI client...).
+
+        The output transport has just dropped its queued audio; end the current utterance so the
+        frames stay paired. The model is not told: it heard the user and stops by itself.
+        """
+        self._gate.reset()
+        await self._close_utterance()
+
+
+def _backend_from(
+    *, url: str | None, api_key: str | None, manager: Any, model: str | None, options: dict[str, Any] | None
+) -> Backend:
+    if url is not None:
+        from .remote import RemoteBackend
+
+        return RemoteBackend(url, api_key=api_key)
+    from .inprocess import InProcessBackend
+
+    if manager is not None:
+        return InProcessBackend(manager)
+    return InProcessBackend(model=str(model), **(options or {}))
+
+
+def _pcm16_to_float(data: bytes, channels: int) -> np.ndarray:
+    pcm = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    if channels > 1:
+        pcm = pcm[: len(pcm) // channels * channels].reshape(-1, channels).mean(axis=1)
+    return pcm
+
+
+def _float_to_pcm16(pcm: np.ndarray) -> bytes:
+    return (np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()

@@ -1,0 +1,212 @@
+"""PersonaPlexLLMService with the in-process backend, in real Pipecat pipelines.
+
+The golden user audio goes in as 16 kHz InputAudioRawFrames at real-time pace; the model runs
+behind a real SessionManager (echo engine, or the tiny golden PersonaPlex model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from personaplex_pipecat import InProcessBackend, PersonaPlexLLMService
+from pipecat.frames.frames import (
+    LLMTextFrame,
+    MetricsFrame,
+    TTSAudioRawFrame,
+    TTSTextFrame,
+)
+from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
+from support_pipecat import aligned_logspec_correlation, run_call
+
+from personaplex_voice.audio.io import read_audio
+from personaplex_voice.engine.base import Sampling
+from personaplex_voice.engine.loopback import LoopbackEngine
+from personaplex_voice.sessions import SessionManager
+
+torch.set_num_threads(1)
+
+ECHO_TEXT = [" Hello", None, " world.", None]
+
+
+@pytest.fixture(scope="module")
+def user_16k(golden_dir) -> np.ndarray:
+    return read_audio(golden_dir / "user.wav", sample_rate=16000)
+
+
+def utterances_well_formed(sequence: list[str]) -> bool:
+    """Start, TTSStarted, content..., TTSStopped, End, repeated; nothing outside."""
+    pattern = [
+        "LLMFullResponseStartFrame",
+        "TTSStartedFrame",
+        "content",
+        "TTSStoppedFrame",
+        "LLMFullResponseEndFrame",
+    ]
+    return (
+        len(sequence) > 0
+        and len(sequence) % 5 == 0
+        and all(sequence[i : i + 5] == pattern for i in range(0, len(sequence), 5))
+    )
+
+
+async def test_echo_call_frames_text_and_metrics(user_16k) -> None:
+    engine = LoopbackEngine(num_slots=1, text_pieces=ECHO_TEXT)
+    manager = SessionManager(engine)
+    service = PersonaPlexLLMService(manager=manager, text_prompt="You are an echo.")
+    try:
+        result = await run_call(
+            service,
+            user_16k,
+            16000,
+            out_rate=16000,
+            wait_ready=lambda: service.session is not None,
+            enable_metrics=True,
+        )
+    finally:
+        await manager.shutdown()
+    assert result.errors == []
+    audio = result.audio_frames
+    assert audio and {f.sample_rate for f in audio} == {16000} and {f.num_channels for f in audio} == {1}
+    assert utterances_well_formed(result.sequence())
+    # the agent's audio is the user's, echoed: same spectrum once the delay is taken out
+    out = result.agent_timeline()
+    corr, lag_s = aligned_logspec_correlation(out, user_16k, 16000)
+    assert len(out) - lag_s * 16000 >= 0.9 * len(user_16k)
+    assert corr >= 0.8, (corr, lag_s)
+    # every text piece the engine emitted, as LLMTextFrame (kept out of the context) and TTSTextFrame
+    text = result.text()
+    assert text.startswith(" Hello world. Hello world.")
+    assert [f.text for f in result.of(LLMTextFrame)] == [f.text for f in result.of(TTSTextFrame)]
+    assert all(not f.append_to_context for f in result.of(LLMTextFrame))
+    # Pipecat metrics: TTFB (session ready -> first speech) and processing time (the utterance)
+    data = [d for f in result.of(MetricsFrame) for d in f.data]
+    assert any(isinstance(d, TTFBMetricsData) and d.value > 0 for d in data)
+    assert any(isinstance(d, ProcessingMetricsData) and d.value > 0 for d in data)
+    assert service.stats["frames_dropped"] <= 2
+
+
+async def test_golden_model_call(golden_dir, user_16k) -> None:
+    backend = InProcessBackend(model=str(golden_dir), num_slots=1, device="cpu")
+    service = PersonaPlexLLMService(
+        backend=backend,
+        text_prompt="You enjoy having a good conversation.",
+        voice="TINYF0.pt",
+        sampling=Sampling(greedy=True),
+        seed=1234,
+    )
+    await backend.prepare()  # load the model before the call, as a bot server would
+    try:
+        result = await run_call(
+            service, user_16k, 16000, out_rate=24000, wait_ready=lambda: service.session is not None
+        )
+    finally:
+        await backend.aclose()
+    assert result.errors == []
+    audio = result.audio_frames
+    assert {f.sample_rate for f in audio} == {24000}
+    covered_s = sum(f.num_frames for f in audio) / 24000
+    assert covered_s >= 0.9 * result.input_s, (covered_s, result.input_s)  # the tiny model babbles throughout
+    assert utterances_well_formed(result.sequence())
+    pieces = [f.text for f in result.of(TTSTextFrame)]
+    assert len(pieces) >= 10 and "".join(pieces).strip()
+    assert len(result.of(LLMTextFrame)) == len(pieces)
+
+
+@pytest.mark.parametrize("end", ["end", "cancel"])
+async def test_end_or_cancel_mid_call_frees_the_slot(user_16k, end) -> None:
+    engine = LoopbackEngine(num_slots=1)
+    manager = SessionManager(engine)
+    service = PersonaPlexLLMService(manager=manager)
+    seen: dict[str, object] = {}
+
+    async def during(_result) -> None:
+        seen["session"] = service.session
+        seen["active"] = manager.active_count
+
+    try:
+        result = await run_call(
+            service,
+            user_16k,
+            16000,
+            end=end,
+            feed_s=1.0,
+            tail_s=0.0,
+            during=during,
+            wait_ready=lambda: service.session is not None,
+        )
+        assert result.errors == []
+        assert seen["active"] == 1  # the call held the only slot...
+        assert manager.active_count == 0  # ...and ending the pipeline gave it back at once
+        assert not engine.slot_in_use(0)
+        session = seen["session"].session
+        assert session.closed and session.close_reason == "pipecat"
+        # the slot is usable right away by the next caller
+        from personaplex_voice.engine.base import Persona
+
+        other = await manager.open(Persona())
+        await other.ready()
+        await other.close()
+    finally:
+        await manager.shutdown()
+
+
+async def test_refused_persona_is_an_error_frame(user_16k) -> None:
+    manager = SessionManager(LoopbackEngine(num_slots=1))
+    service = PersonaPlexLLMService(manager=manager, voice="NO_SUCH_VOICE")
+    try:
+        result = await run_call(
+            service, user_16k, 16000, feed_s=0.2, wait_ready=lambda: False, ready_timeout_s=5
+        )
+    finally:
+        await manager.shutdown()
+    assert len(result.errors) == 1
+    assert "NO_SUCH_VOICE" in result.errors[0].error
+    assert result.of(TTSAudioRawFrame) == []
+    assert manager.active_count == 0
+
+
+async def test_full_engine_is_an_error_frame(user_16k) -> None:
+    from personaplex_voice.engine.base import Persona
+
+    manager = SessionManager(LoopbackEngine(num_slots=1))
+    taken = await manager.open(Persona())
+    await taken.ready()
+    service = PersonaPlexLLMService(manager=manager)
+    try:
+        result = await run_call(
+            service, user_16k, 16000, feed_s=0.2, wait_ready=lambda: False, ready_timeout_s=5
+        )
+    finally:
+        await taken.close()
+        await manager.shutdown()
+    assert len(result.errors) == 1 and "no free engine slot" in result.errors[0].error
+
+
+async def test_lost_session_is_reopened(user_16k) -> None:
+    manager = SessionManager(LoopbackEngine(num_slots=1))
+    service = PersonaPlexLLMService(manager=manager, reconnect_attempts=1)
+
+    async def during(_result) -> None:
+        first = service.session
+        await first.session.close(reason="test")  # the engine side ends the call on its own
+        for _ in range(200):
+            if service.session is not None and service.session is not first:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        result = await run_call(
+            service,
+            user_16k,
+            16000,
+            feed_s=0.5,
+            during=during,
+            wait_ready=lambda: service.session is not None,
+        )
+    finally:
+        await manager.shutdown()
+    assert result.errors == []
+    assert service.stats["sessions"] == 2
