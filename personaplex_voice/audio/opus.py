@@ -170,7 +170,6 @@ class OggOpusReader:
         self._ended = False  # EOS seen; only a new logical stream (BOS) may follow
         self._next_seq = 0
         self._partial: bytearray | None = None  # a packet continued on the next page
-        self._skip_continuation = False  # after a lost page: drop the tail of a packet we lost the head of
         self._decoder: opuslib.Decoder | None = None
         self._to_skip = 0  # pre-skip samples still to drop, at sample_rate
         self._decoded = 0  # samples decoded in this logical stream, pre-skip included
@@ -185,7 +184,7 @@ class OggOpusReader:
         try:
             pos = 0
             while (page_len := self._complete_page_length(pos)) is not None:
-                self._on_page(memoryview(self._buf)[pos : pos + page_len], out)
+                self._on_page(bytes(self._buf[pos : pos + page_len]), out)
                 pos += page_len
             del self._buf[:pos]
         except OggError as exc:
@@ -213,7 +212,7 @@ class OggOpusReader:
             raise OggError(f"Ogg page of {page_len} bytes is over the {self.max_page_bytes}-byte limit")
         return page_len if available >= page_len else None
 
-    def _on_page(self, page: memoryview, out: list[np.ndarray]) -> None:
+    def _on_page(self, page: bytes, out: list[np.ndarray]) -> None:
         _, _, flags, granule, serial, seq, crc, segments = _PAGE_HEADER.unpack_from(page)
         unsummed = bytearray(page)
         unsummed[_CRC_OFFSET : _CRC_OFFSET + 4] = b"\0\0\0\0"
@@ -224,26 +223,31 @@ class OggOpusReader:
         if self._serial is None or (self._ended and flags & _FLAG_BOS):
             if not flags & _FLAG_BOS:
                 raise OggError("missing OpusHead: the stream does not start with a beginning-of-stream page")
-            self._start_logical_stream(serial)
+            self._start_logical_stream(serial, seq)
         elif serial != self._serial or self._ended:
             self.dropped += 1  # another multiplexed stream, or pages after end of stream
             return
         if seq != self._next_seq:
-            self._lose_partial()
+            self._lose_partial()  # pages went missing in between
+        if not flags & _FLAG_CONTINUED:
+            self._lose_partial()  # the packet's continuation never came
         self._next_seq = (seq + 1) & 0xFFFFFFFF
         self.pages += 1
 
         lacing = page[27 : 27 + segments]
         body = page[27 + segments :]
-        if not flags & _FLAG_CONTINUED and self._partial is not None:
-            self.dropped += 1  # the packet's continuation never came
-            self._partial = None
-        if flags & _FLAG_CONTINUED and self._partial is None and not self._skip_continuation:
-            self._skip_continuation = True  # the page claims a continuation we have no head for
-            self.dropped += 1
+        # A continued page with no packet in progress starts with the tail of a packet whose head
+        # was lost: skip up to the end of that packet.
+        skipping = bool(flags & _FLAG_CONTINUED) and self._partial is None
         offset = 0
         first_new = len(out)
         for value in lacing:
+            if skipping:
+                offset += value
+                if value < 255:
+                    skipping = False
+                    self.dropped += 1
+                continue
             if self._partial is None:
                 self._partial = bytearray()
             self._partial += body[offset : offset + value]
@@ -252,10 +256,7 @@ class OggOpusReader:
                 raise OggError(f"Opus packet over {self.max_page_bytes} bytes")
             if value < 255:  # packet complete
                 packet, self._partial = bytes(self._partial), None
-                if self._skip_continuation:
-                    self._skip_continuation = False
-                else:
-                    self._on_packet(packet, out)
+                self._on_packet(packet, out)
         if flags & _FLAG_EOS:
             self._ended = True
             self._partial = None
@@ -273,17 +274,16 @@ class OggOpusReader:
             if not len(out[-1]):
                 out.pop()
 
-    def _start_logical_stream(self, serial: int) -> None:
-        self._serial, self._ended = serial, False
+    def _start_logical_stream(self, serial: int, seq: int) -> None:
+        self._serial, self._next_seq, self._ended = serial, seq, False
         self.head = self.tags = None
         self._decoder = None
-        self._partial, self._skip_continuation = None, False
+        self._partial = None
 
     def _lose_partial(self) -> None:
         if self._partial is not None:
             self.dropped += 1
-        self._partial = None
-        self._skip_continuation = True
+            self._partial = None
 
     def _on_packet(self, packet: bytes, out: list[np.ndarray]) -> None:
         if self.head is None:
