@@ -97,7 +97,7 @@ class ChatConnection:
                 log.info(
                     "session %s closed (%s): %.1f s of audio, %d late frames, %d dropped output frames",
                     self.session.id,
-                    close_reason,
+                    self.session.close_reason or close_reason,
                     stats["duration_s"],
                     stats["late_frames"],
                     stats["dropped_output_frames"],
@@ -122,6 +122,7 @@ class ChatConnection:
 
         receiving = asyncio.create_task(self._receive_loop(), name="chat-receive")
         sending: asyncio.Task[None] | None = None
+        reason = "client"
         try:
             await self._wait_until_ready(receiving)
             await self._send(protocol.encode_handshake())
@@ -134,7 +135,20 @@ class ChatConnection:
                 reason = self.session.close_reason or "ended"
                 code = CLOSE_GOING_AWAY if reason == "shutdown" else CLOSE_NORMAL
                 raise Refusal("session_ended", f"the session ended on the server ({reason})", code)
+        except Refusal as refusal:
+            reason = refusal.kind
+            raise
+        except asyncio.CancelledError:
+            reason = "shutdown"
+            raise
+        except ClientGone:
+            raise
+        except Exception:
+            reason = "internal"
+            raise
         finally:
+            # Close first (frees the slot at once); the send task then leaves session.frames().
+            await self.session.close(reason=reason)
             for task in (receiving, sending):
                 if task is not None and not task.done():
                     task.cancel()
@@ -177,6 +191,8 @@ class ChatConnection:
                         raise Refusal(
                             "session_ended", f"the session could not start ({reason})", CLOSE_INTERNAL
                         ) from None
+                    if position:  # it waited in the queue: tell it that it is in now
+                        await self._send(protocol.encode_metadata(self._metadata()))
                     return
                 if receiving in done:
                     receiving.result()  # Refusal or ClientGone
@@ -263,13 +279,23 @@ class ChatConnection:
     # -- sending -------------------------------------------------------------------------------
 
     async def _send(self, data: bytes) -> None:
-        try:
-            async with self._send_lock:
-                await asyncio.wait_for(self.ws.send_bytes(data), timeout=self.settings.send_timeout_s)
-        except asyncio.TimeoutError:
-            raise Refusal("slow_client", "the client stopped reading audio", CLOSE_POLICY) from None
-        except (WebSocketDisconnect, RuntimeError, OSError):
+        # Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation that arrives as
+        # the send completes, which would leave this connection's send task running forever.
+        async with self._send_lock:
+            sending = asyncio.ensure_future(self.ws.send_bytes(data))
+            try:
+                done, _ = await asyncio.wait({sending}, timeout=self.settings.send_timeout_s)
+            except asyncio.CancelledError:
+                sending.cancel()
+                raise
+            if not done:
+                sending.cancel()
+                raise Refusal("slow_client", "the client stopped reading audio", CLOSE_POLICY)
+        error = sending.exception()
+        if isinstance(error, WebSocketDisconnect | RuntimeError | OSError):
             raise ClientGone from None
+        if error is not None:
+            raise error
         self.metrics.bytes_out.inc(len(data))
 
     async def _refuse(self, refusal: Refusal) -> None:

@@ -109,7 +109,8 @@ def run_server(settings: ServerSettings) -> None:
         raise UserError(f"--voice-dir {settings.voice_dir}: not a directory")
 
     level = settings.log_level.upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The CLI set up warnings-only logging; a server wants its info lines, with timestamps.
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(RedactTokens())
 
