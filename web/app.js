@@ -190,7 +190,10 @@ async function connect() {
     renderStats();
   };
 
-  ws.onopen = () => setStatus("Connected; preparing the persona…", "preparing");
+  ws.onopen = () => {
+    setStatus("Connected; preparing the persona…", "preparing");
+    measureNetwork();
+  };
   ws.onmessage = (event) => {
     state.stats.receivedBytes += event.data.byteLength;
     const msg = decodeMessage(event.data);
@@ -285,14 +288,31 @@ function ms(samples, rate) {
   return rate ? `${Math.round((1000 * samples) / rate)} ms` : "–";
 }
 
+// Round trip, mouth to ear: one 20 ms Opus packet to fill, the network both ways, one 80 ms model
+// frame, and what waits in the playback buffer.
+const ENCODE_MS = 20;
+const MODEL_FRAME_MS = 80;
+
+async function measureNetwork() {
+  if (!call) return;
+  const started = performance.now();
+  try {
+    await fetch("/healthz", { cache: "no-store" });
+    const rtt = performance.now() - started;
+    state.stats.networkMs = state.stats.networkMs ? 0.7 * state.stats.networkMs + 0.3 * rtt : rtt;
+  } catch {
+    /* the next try will tell */
+  }
+}
+setInterval(measureNetwork, 2000);
+
 function renderStats() {
   const s = state.stats;
   const rate = s.sampleRate;
-  // Conversation lag: user audio sent minus agent audio played, as the reference client shows it.
-  const sentSeconds = state.micSamplesSent / WIRE_RATE;
-  const playedSeconds = rate ? (s.played + s.missed) / rate : 0;
-  state.stats.latencyMs = Math.max(0, Math.round(1000 * (sentSeconds - playedSeconds)));
+  const bufferMs = rate ? (1000 * s.buffered) / rate : 0;
+  state.stats.latencyMs = Math.round(ENCODE_MS + (s.networkMs || 0) + MODEL_FRAME_MS + bufferMs);
   $("stat-latency").textContent = call && call.live ? `${state.stats.latencyMs} ms` : "–";
+  $("stat-latency").title = `Opus ${ENCODE_MS} ms + network ${Math.round(s.networkMs || 0)} ms + model frame ${MODEL_FRAME_MS} ms + playback buffer ${Math.round(bufferMs)} ms`;
   $("stat-buffer").textContent = `${ms(s.buffered, rate)} (target ${ms(s.target, rate)})`;
   $("stat-missed").textContent = ms(s.missed, rate);
   $("stat-dropped").textContent = ms(s.dropped, rate);

@@ -61,13 +61,22 @@ class PlaybackProcessor extends AudioWorkletProcessor {
   enqueue(samples) {
     this.queue.push(samples);
     this.buffered += samples.length;
-    const limit = this.target + Math.round(0.3 * sampleRate);
-    while (this.buffered > limit && this.queue.length > 1) {
-      const first = this.queue.shift();
-      const n = first.length - this.offset;
-      this.offset = 0;
-      this.buffered -= n;
-      this.dropped += n;
+    // Far behind (a burst after a network stall): drop the oldest audio back to the target, so
+    // the conversation does not stay delayed for the rest of the call.
+    if (this.playing && this.buffered > this.target + Math.round(0.16 * sampleRate)) {
+      let excess = this.buffered - this.target;
+      while (excess > 0 && this.queue.length) {
+        const head = this.queue[0];
+        const n = Math.min(head.length - this.offset, excess);
+        this.offset += n;
+        excess -= n;
+        this.buffered -= n;
+        this.dropped += n;
+        if (this.offset === head.length) {
+          this.queue.shift();
+          this.offset = 0;
+        }
+      }
     }
   }
 
