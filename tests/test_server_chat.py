@@ -186,3 +186,28 @@ def test_every_slot_is_free_after_calls(server):
         while client.get("/healthz").json()["active"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert client.get("/healthz").json()["active"] == 0
+
+
+def test_golden_model_call(golden_dir, user_wav):
+    """The real engine (the tiny golden PersonaPlex) behind /api/chat: greedy, its own voice."""
+    clip = user_wav[: 3 * SR]
+    with running_server(
+        "--max-sessions",
+        "1",
+        engine="model",
+        model=str(golden_dir),
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=180,
+    ) as srv:
+        with httpx.Client(base_url=srv.url) as client:
+            voices = {v["name"] for v in client.get("/api/voices").json()["voices"]}
+        assert "TINYF0.pt" in voices
+        url = chat_url(srv, voice_prompt="TINYF0.pt", greedy="1", seed="1")
+        result = asyncio.run(chat(url, clip))
+    assert result.errors == [] and result.handshake
+    meta = result.metadata[0]
+    assert meta["model"] == str(golden_dir) and meta["voice"] == "TINYF0.pt" and meta["greedy"] is True
+    assert len(result.pcm) >= len(clip)  # agent audio for the whole call
+    assert np.isfinite(result.pcm).all() and np.abs(result.pcm).max() > 1e-3  # it babbles, not silence
+    pieces = [p for p in result.text if p.strip()]
+    assert len(pieces) >= 5 and all("▁" not in p for p in pieces)  # SentencePiece spaces shown as spaces

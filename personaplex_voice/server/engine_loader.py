@@ -26,13 +26,23 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
 
     from personaplex_voice.engine.factory import build_engine
 
-    progress(f"loading model {settings.model} on {settings.device} ({settings.max_sessions} slots)")
+    device = resolve_device(settings.device)
+    progress(f"loading model {settings.model} on {device} ({settings.max_sessions} slots)")
     overrides: dict[str, Any] = {}
     if settings.voice_dir is not None:
         overrides["voice_prompt_dir"] = settings.voice_dir
     return build_engine(
-        settings.model, engine="model", num_slots=settings.max_sessions, device=settings.device, **overrides
+        settings.model, engine="model", num_slots=settings.max_sessions, device=device, **overrides
     )
+
+
+def resolve_device(device: str) -> str:
+    """`auto` is the first CUDA device when there is one, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def warm_engine(engine: Any) -> None:
