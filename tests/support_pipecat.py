@@ -76,15 +76,21 @@ class CallResult:
         return "".join(f.text for f in self.of(TTSTextFrame))
 
     def agent_timeline(self) -> np.ndarray:
-        """The agent's audio (float32, out_rate) laid out in time: each frame at its arrival time,
-        or right after the previous one if that is later (frames of one utterance stay contiguous)."""
+        """The agent's audio (float32, out_rate) laid out in time: each utterance from the arrival
+        time of its first frame, its frames back to back (as an output transport plays them)."""
         pieces: list[tuple[int, np.ndarray]] = []
         cursor = 0
+        new_utterance = True
         for t, frame in self.downstream:
+            if isinstance(frame, TTSStartedFrame):
+                new_utterance = True
             if not isinstance(frame, TTSAudioRawFrame):
                 continue
             pcm = np.frombuffer(frame.audio, "<i2").astype(np.float32) / 32768.0
-            start = max(cursor, round((t - self.started_at) * self.out_rate))
+            start = cursor
+            if new_utterance:
+                start = max(cursor, round((t - self.started_at) * self.out_rate))
+                new_utterance = False
             pieces.append((start, pcm))
             cursor = start + len(pcm)
         out = np.zeros(cursor, np.float32)

@@ -140,7 +140,6 @@ async def test_end_or_cancel_mid_call_frees_the_slot(user_16k, end) -> None:
         assert result.errors == []
         assert seen["active"] == 1  # the call held the only slot...
         assert manager.active_count == 0  # ...and ending the pipeline gave it back at once
-        assert not engine.slot_in_use(0)
         session = seen["session"].session
         assert session.closed and session.close_reason == "pipecat"
         # the slot is usable right away by the next caller

@@ -92,6 +92,10 @@ class PersonaPlexLLMService(LLMService):
         max_audio_ahead_s: audio allowed to wait downstream ahead of real-time playback when a
             frame is pushed (one 80 ms frame); later frames of a burst are dropped. None turns the
             gate off (pipelines that do not play audio in real time).
+        playout_lead_s: silence sent ahead of each utterance. Output transports send audio
+            just in time (Pipecat's WebSocket transports pace it at real time), so without a
+            little lead every few milliseconds of delivery jitter would be a gap in the
+            caller's ear (an underrun at Twilio); the lead absorbs it, at that cost in latency.
         reconnect_attempts: how many times a session lost mid-call (dropped connection) is
             reopened before giving up with an ErrorFrame. Refusals are never retried.
     """
@@ -116,6 +120,7 @@ class PersonaPlexLLMService(LLMService):
         speech_threshold_db: float = -45.0,
         hangover_s: float = 0.48,
         max_audio_ahead_s: float | None = FRAME_S,
+        playout_lead_s: float = 0.04,
         reconnect_attempts: int = 2,
         **kwargs: Any,
     ):
@@ -157,6 +162,7 @@ class PersonaPlexLLMService(LLMService):
         self._gate = PlayoutGate(max_audio_ahead_s)
         self._user_speech = SpeechEndDetector(speech_threshold_db)
         self._reconnect_attempts = reconnect_attempts
+        self._playout_lead_s = playout_lead_s
 
         self._session: BackendSession | None = None
         self._session_task: asyncio.Task | None = None
@@ -358,6 +364,9 @@ class PersonaPlexLLMService(LLMService):
             self._processing = True
         await self.push_frame(LLMFullResponseStartFrame())
         await self.push_frame(TTSStartedFrame())
+        lead = round(self._playout_lead_s * self._out_rate)
+        if lead > 0 and self._gate.backlog_s() < self._playout_lead_s:
+            await self._push_audio(np.zeros(lead, np.float32))
 
     async def _push_text(self, text: str) -> None:
         self.stats["text_pieces"] += 1
