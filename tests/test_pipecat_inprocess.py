@@ -89,29 +89,55 @@ async def test_echo_call_frames_text_and_metrics(user_16k) -> None:
 
 
 async def test_golden_model_call(golden_dir, user_16k) -> None:
-    backend = InProcessBackend(model=str(golden_dir), num_slots=1, device="cpu")
+    """The tiny golden PersonaPlex model behind the service.
+
+    The manager ticks whenever a frame of input is buffered (realtime=False) rather than every
+    80 ms: on a shared CI CPU the model may run slower than real time, and a real-time manager
+    would then skip ticks. Input still arrives at real-time pace; the gate is off since nothing
+    plays the output. Every user frame must come back as one 80 ms frame of agent audio.
+    """
+    from personaplex_voice.engine.factory import build_engine
+
+    engine = await asyncio.to_thread(build_engine, str(golden_dir), num_slots=1, device="cpu")
+    manager = SessionManager(engine, realtime=False)
     service = PersonaPlexLLMService(
-        backend=backend,
+        backend=InProcessBackend(manager),
         text_prompt="You enjoy having a good conversation.",
         voice="TINYF0.pt",
         sampling=Sampling(greedy=True),
         seed=1234,
+        max_audio_ahead_s=None,
+        playout_lead_s=0.0,
     )
-    await backend.prepare()  # load the model before the call, as a bot server would
+    expected_frames = len(user_16k) * 24000 // 16000 // 1920
+
+    async def drain(_result) -> None:  # let the model catch up with the input
+        for _ in range(1500):
+            if service.stats["frames_pushed"] >= expected_frames:
+                return
+            await asyncio.sleep(0.02)
+
     try:
         result = await run_call(
-            service, user_16k, 16000, out_rate=24000, wait_ready=lambda: service.session is not None
+            service,
+            user_16k,
+            16000,
+            out_rate=24000,
+            during=drain,
+            tail_s=0.0,
+            wait_ready=lambda: service.session is not None,
         )
     finally:
-        await backend.aclose()
+        await manager.shutdown()
     assert result.errors == []
     audio = result.audio_frames
     assert {f.sample_rate for f in audio} == {24000}
+    assert {f.num_frames for f in audio} == {1920}  # 80 ms at 24 kHz each
     covered_s = sum(f.num_frames for f in audio) / 24000
-    assert covered_s >= 0.9 * result.input_s, (covered_s, result.input_s)  # the tiny model babbles throughout
+    assert covered_s >= 0.95 * result.input_s, (covered_s, result.input_s)  # it babbles throughout
     assert utterances_well_formed(result.sequence())
     pieces = [f.text for f in result.of(TTSTextFrame)]
-    assert len(pieces) >= 10 and "".join(pieces).strip()
+    assert len(pieces) >= 20 and "".join(pieces).strip()
     assert len(result.of(LLMTextFrame)) == len(pieces)
 
 
