@@ -31,6 +31,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -421,6 +422,7 @@ class SessionManager:
         self._stopping = False
         self._shut_down = False  # open() does not restart a manager that was shut down
         self._thread: threading.Thread | None = None
+        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="personaplex-prepare")
         self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
         self._active = np.zeros(n, bool)
 
@@ -462,7 +464,9 @@ class SessionManager:
         with self._cond:
             self._check_capacity()  # refuse before doing any work when clearly full
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(None, self.engine.prepare, persona)
+        # One prepare at a time: engines need not make `prepare` re-entrant (the real one
+        # plans prompts on a shared scratch ring), and it keeps CPU for the inference thread.
+        prepared = await loop.run_in_executor(self._prepare_pool, self.engine.prepare, persona)
         session = Session(self, prepared)
         with self._cond:
             self._check_capacity()
