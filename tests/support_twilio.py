@@ -272,6 +272,21 @@ class TwilioSimulator:
         }
         return self.post_webhook("/twilio/voice", form, **kw)
 
+    def answer(
+        self, to: str = "+15550100001", from_: str = "+15550100002"
+    ) -> tuple[str, str, dict[str, str]]:
+        """An incoming call: the signed voice webhook, then the Stream it answered with.
+        Returns (call_sid, stream_url, parameters); fails on anything but `<Connect><Stream>`."""
+        call_sid = sid("CA")
+        response = self.voice_webhook(to=to, from_=from_, call_sid=call_sid)
+        assert response.status_code == 200, response.text
+        url, params = parse_stream_twiml(response.text)
+        return call_sid, url, params
+
+    def status_callback(self, call_sid: str, status: str, **extra: str) -> httpx.Response:
+        form = {"AccountSid": ACCOUNT_SID, "CallSid": call_sid, "CallStatus": status, **extra}
+        return self.post_webhook("/twilio/status", form)
+
     @contextlib.asynccontextmanager
     async def media_stream(
         self,
@@ -388,3 +403,10 @@ def running_app(app: Any) -> Any:
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+def blockwise_snr_db(x: np.ndarray, freq: float, block_s: float = 0.1, rate: int = RATE) -> np.ndarray:
+    """`sine_fit_snr_db` of each block: one glitch spoils its block only, and a shift of the
+    whole echo (a frame of silence inserted by a late tick) does not spoil the rest."""
+    n = round(block_s * rate)
+    return np.array([sine_fit_snr_db(x[i : i + n], freq, rate) for i in range(0, len(x) - n + 1, n)])

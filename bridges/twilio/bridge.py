@@ -25,6 +25,7 @@ from .signatures import SignatureChecker, public_base, websocket_base
 log = logging.getLogger(__name__)
 
 XML = "application/xml"
+TERMINAL_STATUSES = {"completed", "busy", "failed", "no-answer", "canceled"}
 
 
 MAX_FORM_BYTES = 64 * 1024
@@ -151,6 +152,8 @@ class TwilioBridge:
             from_=form.get("From", ""),
             to=form.get("To", ""),
         )
+        if status in TERMINAL_STATUSES and self.registry.release_for_call(call_sid):
+            log.info("twilio: call %s ended (%s) before its stream started", call_sid, status)
         if form.get("CallDuration"):
             record.metrics.setdefault("call_duration_s", form["CallDuration"])
         log.info("twilio: call %s status %s", call_sid, status)

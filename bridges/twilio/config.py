@@ -42,6 +42,10 @@ class TwilioSettings(BaseSettings):
     stream_connect_timeout_s: float = Field(20.0, gt=0)  # webhook answered -> `start` received
     # Outbound pacing: never let Twilio hold more than this much of our audio.
     max_queued_ms: float = Field(100.0, ge=40.0, le=1000.0)
+    # How long before each engine tick the caller's next 80 ms frame should be complete: inbound
+    # messages may come this much late without leaving the agent a gap. Set once per call by a
+    # little silence ahead of the caller's audio, phased against the engine's frame clock.
+    inbound_slack_ms: float = Field(30.0, ge=0.0, le=70.0)
     max_message_bytes: int = Field(64 * 1024, ge=1024)  # a 20 ms media message is ~250 bytes
     # DTMF digits that hang the call up (e.g. "#"); every digit is logged as a session event.
     hangup_digits: str = ""

@@ -20,12 +20,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from personaplex_voice.engine.base import CapacityError, EngineError, Persona
+from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, EngineError, Persona
 
 from .audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
-from .pacing import CHUNK_S, FrameJitter, MarkTracker, PlaybackClock, monotonic, percentile
+from .pacing import CHUNK_S, FRAME_S, FrameJitter, MarkTracker, PlaybackClock, monotonic, percentile
 
 if TYPE_CHECKING:
     from .bridge import TwilioBridge
@@ -111,6 +112,8 @@ class MediaStreamCall:
         self._sender: asyncio.Task[None] | None = None
         self._opener: asyncio.Task[None] | None = None
         self._ended: CallEnded | None = None
+        self._cushioned = False
+        self._tick_origin: float | None = None  # when the engine delivered this call's first frame
 
     # --- the receive loop ---------------------------------------------------------------
     async def run(self) -> None:
@@ -256,7 +259,26 @@ class MediaStreamCall:
         if not self.session_ready:
             self.inbound_dropped += 1
             return
+        if not self._cushioned:
+            if self._tick_origin is None:
+                self.inbound_dropped += 1  # until the first frame shows where the engine ticks
+                return
+            self._cushioned = True
+            self.session.push(np.zeros(self._cushion_samples(monotonic()), np.float32))
         self.session.push(self.inbound.convert(ulaw))
+
+    def _cushion_samples(self, now: float) -> int:
+        """Silence to push ahead of the caller's first message so that, just before each engine
+        tick, the session holds one full frame plus `inbound_slack_ms` of audio.
+
+        Messages bring 20 ms each; the ticks come every 80 ms from `_tick_origin`. Before the
+        next tick (in `to_tick`) this message and floor(to_tick / 20 ms) more will have come.
+        """
+        frame_ms, chunk_ms = FRAME_S * 1000, CHUNK_S * 1000
+        to_tick_ms = (frame_ms - ((now - self._tick_origin) * 1000) % frame_ms) % frame_ms
+        arriving_ms = chunk_ms + chunk_ms * (to_tick_ms // chunk_ms)
+        cushion_ms = (frame_ms + self.settings.inbound_slack_ms - arriving_ms) % frame_ms
+        return round(cushion_ms * SAMPLE_RATE / 1000)
 
     async def _on_dtmf(self, dtmf: dict[str, Any]) -> None:
         digit = dtmf.get("digit")
@@ -289,6 +311,8 @@ class MediaStreamCall:
         session = self.session
         try:
             async for out in session.frames():
+                if self._tick_origin is None:
+                    self._tick_origin = monotonic()
                 chunks = self.outbound.convert(out.pcm)
                 if not chunks:
                     continue

@@ -17,7 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-CHUNK_S = 0.020
+CHUNK_S = 0.020  # one Twilio media message
+FRAME_S = 0.080  # one engine frame
 
 
 def percentile(values: list[float] | deque[float], q: float) -> float:

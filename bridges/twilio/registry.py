@@ -99,6 +99,13 @@ class CallRegistry:
         self._expire()
         return self._reservations.pop(token, None)
 
+    def release_for_call(self, call_sid: str) -> int:
+        """Drop the reservations of a call that ended before its stream started."""
+        tokens = [t for t, r in self._reservations.items() if r.call_sid == call_sid]
+        for token in tokens:
+            del self._reservations[token]
+        return len(tokens)
+
     def add_outbound(self, persona_name: str, persona: Persona, ttl_s: float) -> str:
         self._expire()
         token = secrets.token_urlsafe(18)
