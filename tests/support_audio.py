@@ -25,10 +25,11 @@ def espeak_speech(directory: Path, text: str = SPEECH_TEXT) -> tuple[np.ndarray,
 
 
 def band_limit(x: np.ndarray, rate: int, low_hz: float, high_hz: float) -> np.ndarray:
-    """Zero-phase band-pass by FFT masking with raised-cosine edges 100 Hz wide (test-signal shaping)."""
+    """Zero-phase band-pass by FFT masking: nothing outside [low_hz, high_hz], raised-cosine edges
+    100 Hz wide inside it (test-signal shaping)."""
     spectrum = np.fft.rfft(x.astype(np.float64))
     f = np.fft.rfftfreq(len(x), 1 / rate)
-    mask = np.clip((f - (low_hz - 100)) / 100, 0, 1) * np.clip(((high_hz + 100) - f) / 100, 0, 1)
+    mask = np.clip((f - low_hz) / 100, 0, 1) * np.clip((high_hz - f) / 100, 0, 1)
     mask = 0.5 - 0.5 * np.cos(np.pi * mask)
     return np.fft.irfft(spectrum * mask, len(x)).astype(np.float32)
 

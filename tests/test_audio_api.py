@@ -12,11 +12,11 @@ from personaplex_voice.audio import (
     OggOpusReader,
     OggOpusWriter,
     StreamingResampler,
-    resample,
     ulaw_decode,
     ulaw_encode,
 )
 from personaplex_voice.audio.io import read_audio, write_wav
+from personaplex_voice.audio.resample import resample
 from personaplex_voice.errors import UserError
 
 

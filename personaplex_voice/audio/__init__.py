@@ -4,7 +4,10 @@ resampler, the Ogg-Opus stream codec, re-framing helpers and file I/O."""
 from .framing import ChunkBuffer, FrameBuffer
 from .mulaw import ulaw_decode, ulaw_encode
 from .opus import OggError, OggOpusReader, OggOpusWriter
-from .resample import StreamingResampler, resample
+from .resample import StreamingResampler
+
+# The one-shot `resample` function stays in `audio.resample` (not re-exported here): a package
+# attribute named like the submodule would shadow it for `import personaplex_voice.audio.resample`.
 
 __all__ = [
     "ChunkBuffer",
@@ -13,7 +16,6 @@ __all__ = [
     "OggOpusReader",
     "OggOpusWriter",
     "StreamingResampler",
-    "resample",
     "ulaw_decode",
     "ulaw_encode",
 ]
