@@ -86,7 +86,7 @@ def make_voice(
         dtype=parse_dtype(dtype),
         **source_overrides(moshi_weight, mimi_weight, tokenizer),
     )
-    voice = engine.make_voice(pcm)  # type: ignore[attr-defined]  # PersonaPlexEngine only
+    voice = engine.make_voice(pcm, normalized=True)  # type: ignore[attr-defined]  # PersonaPlexEngine only
     try:
         torch.save(voice, out)
     except OSError as exc:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,27 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def call_cli(*args: str | Path) -> subprocess.CompletedProcess:
+    """The same `main` in this process (no interpreter + torch start-up): for the many error cases.
+
+    The main paths run as real subprocesses (`run_cli`); this is the same code after argv.
+    """
+    import torch
+
+    from personaplex_voice.cli import main
+
+    torch.set_num_threads(1)
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -1,5 +1,6 @@
 """Bad input at the command line: one clear `error:` line naming the file and the problem, exit 2,
-no traceback unless --debug. Each case is a real subprocess of `personaplex-voice offline`."""
+no traceback unless --debug. The unknown-voice and --debug cases run `personaplex-voice` as a real
+subprocess; the others call the same `main` in-process to keep the suite fast."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support_cli import assert_one_line_error, run_cli
+from support_cli import assert_one_line_error, call_cli, run_cli
 
 MODEL_FILES = ("config.json", "model.safetensors", "mimi.safetensors", "tokenizer.model", "voices")
 
@@ -25,7 +26,7 @@ def model_dir(golden_dir: Path, dest: Path, replace: dict[str, bytes] | None = N
 
 
 def offline(model: Path | str, input_wav: Path, tmp_path: Path, *extra: str | Path):
-    return run_cli(
+    return call_cli(
         "offline",
         "--model", model,
         "--greedy",
@@ -107,7 +108,10 @@ def test_unknown_voice(golden_dir: Path, tmp_path: Path) -> None:
 
 def test_debug_shows_the_traceback(golden_dir: Path, tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.wav"
-    proc = offline(golden_dir, missing, tmp_path, "--debug")
+    proc = run_cli(
+        "offline", "--model", golden_dir, "--input-wav", missing,
+        "--output-wav", tmp_path / "out.wav", "--output-text", tmp_path / "out.json", "--debug",
+    )  # fmt: skip
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "UserError" in proc.stderr
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from support_cli import assert_one_line_error, run_cli
+from support_cli import assert_one_line_error, call_cli, run_cli
 
 
 def test_voices_make_writes_the_published_pt(golden_dir: Path, tmp_path: Path) -> None:
@@ -38,18 +38,18 @@ def test_voices_list_shows_the_model_voices(golden_dir: Path, tmp_path: Path) ->
 
     empty = tmp_path / "no-voices"
     empty.mkdir()
-    proc = run_cli("voices", "list", "--model", golden_dir, "--voice-prompt-dir", empty)
+    proc = call_cli("voices", "list", "--model", golden_dir, "--voice-prompt-dir", empty)
     assert proc.returncode == 0 and proc.stdout == "" and "no voices" in proc.stderr
 
 
 def test_voices_make_refuses_bad_input_with_one_line(golden_dir: Path, tmp_path: Path) -> None:
-    proc = run_cli(
+    proc = call_cli(
         "voices", "make", "--model", golden_dir, "--audio", golden_dir / "voices" / "TINYF0.wav",
         "--out", tmp_path / "voice.wav",
     )  # fmt: skip
     assert_one_line_error(proc, "voice.wav", "must end in .pt")
     bad = tmp_path / "speaker.wav"
     bad.write_text("this is not audio")
-    proc = run_cli("voices", "make", "--model", golden_dir, "--audio", bad, "--out", tmp_path / "x.pt")
+    proc = call_cli("voices", "make", "--model", golden_dir, "--audio", bad, "--out", tmp_path / "x.pt")
     assert_one_line_error(proc, str(bad))
     assert not (tmp_path / "x.pt").exists()

@@ -19,6 +19,14 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    """One demo engine (with logits kept) shared by the tests that only run it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PERSONAPLEX_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return build_engine("demo", capture_logits=True)
+
+
 def _run(engine, voice: str | None, frames: int = 4) -> tuple[np.ndarray, list]:
     persona = Persona(text_prompt="You take pizza orders.", voice=voice, sampling=Sampling(greedy=True))
     engine.start(0, engine.prepare(persona))
@@ -46,11 +54,22 @@ def test_demo_weights_are_seeded_and_leave_the_callers_rng_alone() -> None:
     assert np.isfinite(pcm_a).all()
 
 
-def test_demo_lists_and_uses_both_voices() -> None:
-    engine = build_engine("demo")
+def test_demo_lists_and_uses_both_voices(engine) -> None:
     names = {v.name for v in engine.voices()}
     assert {n.split(".")[0] for n in names} >= {"DEMOF0", "DEMOM0"}
-    female, _ = _run(engine, next(n for n in names if n.startswith("DEMOF0")), frames=2)
-    male, _ = _run(engine, next(n for n in names if n.startswith("DEMOM0")), frames=2)
-    assert female.shape == male.shape == (2 * FRAME_SIZE,)
-    assert not np.array_equal(female, male)  # the voice prompt reaches the model
+    logits = []
+    for prefix in ("DEMOF0", "DEMOM0"):
+        _run(engine, next(n for n in names if n.startswith(prefix)), frames=1)
+        logits.append(engine.last_text_logits.copy())
+    assert not np.allclose(logits[0], logits[1])  # the voice prompt reaches the model
+
+
+def test_demo_codec_answers_at_speech_level(engine) -> None:
+    """The random codec is tuned: inputs map to varied codes, output is audible and has no DC."""
+    pcm, _ = _run(engine, "DEMOF0.wav", frames=6)
+    assert 0.02 < float(pcm.std()) < 0.5
+    assert abs(float(pcm.mean())) < 0.01
+    from personaplex_voice.engine.demo import synthetic_voice
+
+    codes = engine.encode_audio(synthetic_voice(150.0, seconds=1.0))
+    assert len({tuple(row) for row in codes.tolist()}) > codes.shape[0] // 2

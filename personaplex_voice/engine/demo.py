@@ -233,6 +233,75 @@ def seeded_weights(device: str = "cpu") -> Iterator[None]:
         yield
 
 
+def tune_codec(mimi: Any, target_rms: float = 0.08) -> None:
+    """Make the random Mimi a usable toy codec: codebooks drawn from its own latents, audible output.
+
+    Randomly initialised codebooks are all zero (the published buffers start empty), so every
+    input would encode to code 0 and every code decode to the same constant: a demo that ignores
+    the caller and answers with silence. Like a k-means start, each RVQ level's centroids are
+    drawn from the (residual) latents of synthetic calibration audio, plus jitter; then the last
+    decoder conv is rescaled so random codes decode to speech-level audio with no DC offset.
+    Call under `seeded_weights` for reproducible results.
+    """
+    import torch
+    from torch import nn
+
+    from personaplex_voice.model.streaming import StepContext
+
+    calib = _calibration_audio()
+    param = next(mimi.parameters())
+    pcm = torch.from_numpy(calib).to(param.device).view(1, 1, -1)
+    captured: dict[str, torch.Tensor] = {}
+    rvqs = {"first": mimi.quantizer.rvq_first, "rest": mimi.quantizer.rvq_rest}
+    hooks = [
+        rvq.input_proj.register_forward_hook(lambda _m, _i, out, key=key: captured.__setitem__(key, out))
+        for key, rvq in rvqs.items()
+    ]
+    try:
+        mimi.encode(pcm, StepContext(mimi.init_state(1)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with torch.no_grad():
+        for key, rvq in rvqs.items():
+            residual = captured[key][0].T.float()  # [frames, dim]
+            for layer in rvq.vq.layers:
+                book = layer._codebook
+                bins, _ = book.embedding_sum.shape
+                pick = torch.randint(0, residual.shape[0], (bins,), device=residual.device)
+                jitter = 0.3 * residual.std(dim=0, keepdim=True) * torch.randn_like(residual[pick])
+                book.embedding_sum.copy_(residual[pick] + jitter)
+                book.cluster_usage.fill_(1.0)
+                book.refresh()
+                residual = residual - book.decode(book.encode(residual))
+        mimi.refresh()
+
+        codes = torch.randint(0, 2048, (1, mimi.num_codebooks, 25), device=param.device)
+        last = [m for m in mimi.decoder.modules() if isinstance(m, nn.Conv1d)][-1]
+        if last.bias is None:
+            return
+        last.bias.zero_()
+        out = mimi.decode(codes, StepContext(mimi.init_state(1)))
+        rms = float((out - out.mean()).pow(2).mean().sqrt())
+        if rms > 0:
+            last.weight.mul_(target_rms / rms)
+        out = mimi.decode(codes, StepContext(mimi.init_state(1)))
+        last.bias.sub_(out.mean())  # no DC offset: loudspeakers and resamplers dislike it
+
+
+def _calibration_audio() -> np.ndarray:
+    """Three seconds of varied synthetic sound: both voices, a chirp, noise and silence."""
+    rng = np.random.default_rng(7)
+    t = np.arange(SAMPLE_RATE) / SAMPLE_RATE
+    chirp = 0.2 * np.sin(2 * np.pi * (100 + 1500 * t) * t)
+    noise = 0.05 * rng.standard_normal(SAMPLE_RATE // 2)
+    silence = np.zeros(SAMPLE_RATE // 2)
+    parts = [synthetic_voice(f0, seconds=1.0, seed=1) for f0 in DEMO_VOICES.values()]
+    sig = np.concatenate([*parts, chirp, noise, silence]).astype(np.float32)
+    frames = len(sig) // 1920
+    return sig[: frames * 1920]
+
+
 def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> bytes:
     """Train the demo SentencePiece model; returns the serialized model."""
     import sentencepiece as spm

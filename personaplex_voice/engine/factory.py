@@ -55,12 +55,14 @@ def build_engine(
     from personaplex_voice.engine.generator import PersonaPlexEngine
 
     if files.is_demo:
-        from personaplex_voice.engine.demo import DEMO_NOTICE, seeded_weights
+        from personaplex_voice.engine.demo import DEMO_NOTICE, seeded_weights, tune_codec
 
         log.warning(DEMO_NOTICE)
         # Random init under a fixed seed: the demo babbles the same way on every start.
         with seeded_weights(device):
-            return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
+            built = PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
+            tune_codec(built.mimi)
+        return built
     return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
 
 
