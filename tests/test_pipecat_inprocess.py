@@ -19,6 +19,7 @@ from pipecat.frames.frames import (
     TTSTextFrame,
 )
 from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
+from pipecat.utils.errors import ErrorCategory
 from support_pipecat import aligned_logspec_correlation, run_call
 
 from personaplex_voice.audio.io import read_audio
@@ -189,6 +190,7 @@ async def test_refused_persona_is_an_error_frame(user_16k) -> None:
         await manager.shutdown()
     assert len(result.errors) == 1
     assert "NO_SUCH_VOICE" in result.errors[0].error
+    assert result.errors[0].category is ErrorCategory.INVALID_REQUEST
     assert result.of(TTSAudioRawFrame) == []
     assert manager.active_count == 0
 
@@ -208,6 +210,7 @@ async def test_full_engine_is_an_error_frame(user_16k) -> None:
         await taken.close()
         await manager.shutdown()
     assert len(result.errors) == 1 and "no free engine slot" in result.errors[0].error
+    assert result.errors[0].category is ErrorCategory.RATE_LIMIT
 
 
 async def test_lost_session_is_reopened(user_16k) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from personaplex_pipecat import BackendUnavailable, Backoff, PersonaPlexLLMService, RemoteBackend
 from pipecat.frames.frames import LLMTextFrame, TTSAudioRawFrame, TTSTextFrame
+from pipecat.utils.errors import ErrorCategory
 from support_pipecat import aligned_logspec_correlation, run_call
 from support_server import ServerProcess, free_port, running_server
 from websockets.asyncio.client import connect
@@ -111,6 +112,7 @@ async def test_refused_when_the_server_is_full(server, user_16k) -> None:
         )
     assert len(result.errors) == 1, result.errors
     assert "full" in result.errors[0].error
+    assert result.errors[0].category is ErrorCategory.RATE_LIMIT
     assert result.of(TTSAudioRawFrame) == []
 
 
@@ -121,6 +123,7 @@ async def test_refused_with_a_wrong_api_key(server, user_16k) -> None:
     )
     assert len(result.errors) == 1
     assert "API key" in result.errors[0].error
+    assert result.errors[0].category is ErrorCategory.AUTHENTICATION
     assert await wait_for_active(server, 0) == 0
 
 

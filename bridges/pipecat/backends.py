@@ -21,7 +21,15 @@ class BackendError(Exception):
 
 
 class SessionRefused(BackendError):
-    """The model side said no: bad persona, no free slot, wrong API key. Retrying will not help."""
+    """The model side said no: bad persona, no free slot, wrong API key. Retrying will not help.
+
+    `kind` says why, in the server's words: "auth", "origin", "capacity", "queue_full",
+    "loading", "persona", "bad_query", ... ("refused" when unknown).
+    """
+
+    def __init__(self, message: str, kind: str = "refused"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class BackendUnavailable(BackendError):

@@ -117,16 +117,18 @@ class InProcessBackend:
             session = await self._manager.open(persona)
         except CapacityError as exc:
             retry = f"; retry in about {exc.retry_after_s:.0f} s" if exc.retry_after_s else ""
-            raise SessionRefused(f"no free engine slot ({self._manager.capacity} in use){retry}") from exc
+            raise SessionRefused(
+                f"no free engine slot ({self._manager.capacity} in use){retry}", kind="capacity"
+            ) from exc
         except PersonaError as exc:
-            raise SessionRefused(f"persona refused: {exc}") from exc
+            raise SessionRefused(f"persona refused: {exc}", kind="persona") from exc
         except EngineError as exc:  # shutting down
             raise BackendUnavailable(f"the engine is not taking sessions: {exc}") from exc
         try:
             await session.ready()
         except PersonaError as exc:
             await session.close(reason="persona")
-            raise SessionRefused(f"persona refused: {exc}") from exc
+            raise SessionRefused(f"persona refused: {exc}", kind="persona") from exc
         except asyncio.CancelledError:
             # Cancelled while waiting for a slot or the prefill: never leave a slot behind.
             await asyncio.shield(session.close(reason="pipecat"))

@@ -120,7 +120,8 @@ class RemoteSession:
                 elif message.kind == Kind.TEXT:
                     yield AgentFrame(text=message.text())
                 elif message.kind == Kind.ERROR:
-                    raise SessionRefused(f"server ended the session: {message.text()}")
+                    kind = await _refusal_kind(self._ws)
+                    raise SessionRefused(f"server ended the session: {message.text()}", kind=kind)
                 # metadata, ping and unknown kinds carry nothing for the pipeline
         except ConnectionClosed:
             pass
@@ -202,10 +203,11 @@ class RemoteBackend:
         except InvalidStatus as exc:
             status = exc.response.status_code
             if status in (401, 403, 404):
-                raise SessionRefused(f"{where} refused the connection (HTTP {status})") from exc
+                kind = "auth" if status in (401, 403) else "not_found"
+                raise SessionRefused(f"{where} refused the connection (HTTP {status})", kind=kind) from exc
             raise BackendUnavailable(f"{where} answered HTTP {status}") from exc
         except InvalidURI as exc:
-            raise SessionRefused(f"bad server url {where}: {exc}") from exc
+            raise SessionRefused(f"bad server url {where}: {exc}", kind="bad_url") from exc
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             raise BackendUnavailable(f"cannot connect to {where}: {exc or type(exc).__name__}") from exc
         try:
@@ -230,7 +232,8 @@ class RemoteBackend:
                 if message.kind == Kind.HANDSHAKE:
                     return metadata
                 if message.kind == Kind.ERROR:
-                    raise SessionRefused(f"{self.url} refused the session: {message.text()}")
+                    kind = await _refusal_kind(ws)
+                    raise SessionRefused(f"{self.url} refused the session: {message.text()}", kind=kind)
                 if message.kind == Kind.METADATA:
                     with contextlib.suppress(ValueError):
                         metadata = dict(message.json())
@@ -242,6 +245,13 @@ class RemoteBackend:
             pass
         why = _close_text(ws)
         raise BackendUnavailable(f"{self.url} closed the connection before the session was ready ({why})")
+
+
+async def _refusal_kind(ws: ClientConnection) -> str:
+    """The server closes right after a 0x05 message, with the refusal's kind as close reason."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.wait_closed(), timeout=2.0)
+    return ws.close_reason or "refused"
 
 
 def _close_text(ws: ClientConnection) -> str:

@@ -49,6 +49,7 @@ from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.llm_service import LLMService
 from pipecat.services.settings import LLMSettings
 from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
+from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.text.base_text_aggregator import TextType
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
@@ -56,6 +57,21 @@ from .backends import Backend, BackendSession, BackendUnavailable, SessionLost, 
 from .pacing import Edge, PlayoutGate, SpeechEndDetector, UtteranceTracker
 
 FRAME_S = FRAME_SIZE / SAMPLE_RATE  # 0.08
+
+# Refusal kinds (server close reasons, backend kinds) as Pipecat error categories.
+_REFUSAL_CATEGORIES = {
+    "auth": ErrorCategory.AUTHENTICATION,
+    "origin": ErrorCategory.AUTHORIZATION,
+    "capacity": ErrorCategory.RATE_LIMIT,
+    "queue_full": ErrorCategory.RATE_LIMIT,
+    "loading": ErrorCategory.SERVER,
+    "unavailable": ErrorCategory.SERVER,
+    "internal": ErrorCategory.SERVER,
+    "persona": ErrorCategory.INVALID_REQUEST,
+    "bad_query": ErrorCategory.INVALID_REQUEST,
+    "bad_url": ErrorCategory.INVALID_REQUEST,
+    "not_found": ErrorCategory.INVALID_REQUEST,
+}
 
 
 @dataclass
@@ -266,7 +282,7 @@ class PersonaPlexLLMService(LLMService):
                 await self._backend.prepare()
                 session = await self._backend.open(self.persona())
             except (SessionRefused, BackendUnavailable) as exc:
-                await self.push_error(f"PersonaPlex: {exc}", exception=exc, force_treat_as_permanent=True)
+                await self._report(exc)
                 return
             if self._stopping:  # ended while the session was opening
                 await session.close()
@@ -280,13 +296,13 @@ class PersonaPlexLLMService(LLMService):
                     await self._handle_agent_frame(out.pcm, out.text)
                 return
             except SessionRefused as exc:
-                await self.push_error(f"PersonaPlex: {exc}", exception=exc, force_treat_as_permanent=True)
+                await self._report(exc)
                 return
             except SessionLost as exc:
                 if self._stopping:
                     return
                 if reconnects >= self._reconnect_attempts:
-                    await self.push_error(f"PersonaPlex: {exc}", exception=exc, force_treat_as_permanent=True)
+                    await self._report(exc)
                     return
                 reconnects += 1
                 logger.warning(
@@ -296,6 +312,17 @@ class PersonaPlexLLMService(LLMService):
             finally:
                 self._session = None
                 await session.close()
+
+    async def _report(self, exc: Exception) -> None:
+        """One ErrorFrame upstream; the service cannot work without a session, so it also marks
+        itself unusable (the worker's `processor_unusable_policy` decides whether the call ends)."""
+        if isinstance(exc, SessionRefused):
+            category = _REFUSAL_CATEGORIES.get(exc.kind, ErrorCategory.UNKNOWN)
+        else:
+            category = ErrorCategory.CONNECTIVITY
+        await self.push_error(
+            f"PersonaPlex: {exc}", exception=exc, category=category, force_treat_as_permanent=True
+        )
 
     async def _end_session(self) -> None:
         """Free the engine slot / close the socket now, then stop the output task."""
