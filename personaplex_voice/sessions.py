@@ -422,7 +422,7 @@ class SessionManager:
         self._stopping = False
         self._shut_down = False  # open() does not restart a manager that was shut down
         self._thread: threading.Thread | None = None
-        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="personaplex-prepare")
+        self._prepare_pool: ThreadPoolExecutor | None = None  # made by start(), ended by shutdown()
         self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
         self._active = np.zeros(n, bool)
 
@@ -453,6 +453,10 @@ class SessionManager:
             if self._thread is not None and self._thread.is_alive():
                 return
             self._stopping = self._shut_down = False
+            if self._prepare_pool is None:
+                self._prepare_pool = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="personaplex-prepare"
+                )
             self._thread = threading.Thread(target=self._run, name="personaplex-inference", daemon=True)
             self._thread.start()
 
@@ -463,10 +467,11 @@ class SessionManager:
             await self.start()
         with self._cond:
             self._check_capacity()  # refuse before doing any work when clearly full
+            pool = self._prepare_pool
         loop = asyncio.get_running_loop()
         # One prepare at a time: engines need not make `prepare` re-entrant (the real one
         # plans prompts on a shared scratch ring), and it keeps CPU for the inference thread.
-        prepared = await loop.run_in_executor(self._prepare_pool, self.engine.prepare, persona)
+        prepared = await loop.run_in_executor(pool, self.engine.prepare, persona)
         session = Session(self, prepared)
         with self._cond:
             self._check_capacity()
@@ -490,6 +495,9 @@ class SessionManager:
             self._stopping = self._shut_down = True
             self._cond.notify_all()
             thread = self._thread
+            pool, self._prepare_pool = self._prepare_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
         if thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
 

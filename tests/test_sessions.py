@@ -435,12 +435,16 @@ async def test_thousand_open_close_cycles_leave_nothing_behind(manager_factory):
     manager = manager_factory(engine, max_queue=64)
     alive: weakref.WeakSet[Session] = weakref.WeakSet()
     x = audio(2, seed=3)
+    closed_in: dict[str, int] = {}
 
     async def cycle(i: int) -> None:
         session = await manager.open(Persona(text_prompt=f"persona {i % 5}"))
         alive.add(session)
         kind = i % 4
         if kind == 0:  # close while queued or during prefill
+            await asyncio.sleep(0.001 * (i % 3))
+            state = session.stats["state"]
+            closed_in[state] = closed_in.get(state, 0) + 1
             await session.close()
             return
         await session.ready()
@@ -460,6 +464,7 @@ async def test_thousand_open_close_cycles_leave_nothing_behind(manager_factory):
 
     for start in range(0, 1000, 50):
         await asyncio.wait_for(asyncio.gather(*(cycle(i) for i in range(start, start + 50))), 30)
+    assert closed_in.get("queued", 0) > 0 and closed_in.get("joining", 0) > 0, closed_in
     assert manager.active_count == 0 and manager.queued_count == 0 and manager.sessions == []
     await wait_until(lambda: not any(engine.slot_in_use(i) for i in range(4)))
     assert not manager._to_release and not manager._joining and not manager._queue
