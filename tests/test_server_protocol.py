@@ -145,3 +145,21 @@ def test_echo_server_never_imports_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_twilio_flag_mounts_the_bridge_without_shadowing(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from personaplex_voice.errors import UserError
+    from personaplex_voice.server.app import create_app
+
+    monkeypatch.delenv("TWILIO_AUTH_TOKEN", raising=False)
+    with pytest.raises(UserError, match="TWILIO_AUTH_TOKEN"):
+        create_app(ServerSettings(engine="echo", max_sessions=1, twilio=True))
+
+    monkeypatch.setenv("TWILIO_AUTH_TOKEN", "test-token")
+    app = create_app(ServerSettings(engine="echo", max_sessions=1, twilio=True))
+    with TestClient(app) as client:
+        # The browser client is served for unmatched GETs only: /twilio/* still reaches the bridge.
+        assert client.get("/twilio/calls").status_code != 404
+        assert "PersonaPlex" in client.get("/").text
