@@ -90,6 +90,11 @@ class Depformer(nn.Module):
         H, D = self.num_heads, self.dim // self.num_heads
         w = step if self.per_step else 0
         h = x[:, None]
+        # As in the published ring KV cache (capacity = steps), a full ring masks its oldest
+        # entry: the last step does not attend to the first.
+        first = max(0, step + 2 - self.steps)
+        index = torch.arange(self.steps, device=x.device)
+        mask = ((index >= first) & (index <= step)).view(1, self.steps)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             y = layer.norm1(h)
@@ -100,7 +105,7 @@ class Depformer(nn.Module):
                 q, k = apply_rope(q, k, pos, self.rope_period)
             keys[li][:, :, step : step + 1] = k
             values[li][:, :, step : step + 1] = v
-            out = F.scaled_dot_product_attention(q, keys[li][:, :, : step + 1], values[li][:, :, : step + 1])
+            out = F.scaled_dot_product_attention(q, keys[li], values[li], mask)
             w_out = attn.out_proj.weight.view(-1, self.dim, self.dim)[w]
             out = F.linear(out.reshape(B, self.dim), w_out)[:, None]
             h = h + layer.layer_scale_1(out)
@@ -169,6 +174,14 @@ class LMModel(nn.Module):
     def init_state(self, batch: int, device: torch.device | str | None = None) -> StreamState:
         p = next(self.parameters())
         return init_state(self, batch, device or p.device, p.dtype)
+
+    def reset_slot(self, state: StreamState, slot: int) -> None:
+        """Fresh state for one slot: empty KV rings, position 0, nothing pinned."""
+        for key, value in state.items():
+            if key.endswith(":kpos"):
+                value[slot] = -1
+            else:
+                value[slot] = 0
 
     def embed_codes(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, 17, T] -> summed input embeddings [B, T, dim] (published summation order)."""

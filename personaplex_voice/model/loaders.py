@@ -82,9 +82,9 @@ def _expand_half_depformer(lm: LMModel, weights: dict[str, torch.Tensor]) -> Non
         return
     expected = lm.state_dict()
     for name, tensor in list(weights.items()):
-        if name.startswith("depformer.") and "self_attn" in name and name in expected:
-            if tensor.shape[0] * 2 == expected[name].shape[0]:
-                weights[name] = torch.cat([tensor, tensor], dim=0)
+        doubled = name in expected and tensor.shape[0] * 2 == expected[name].shape[0]
+        if name.startswith("depformer.") and "self_attn" in name and doubled:
+            weights[name] = torch.cat([tensor, tensor], dim=0)
     for name in expected:
         if name in weights:
             continue

@@ -259,8 +259,13 @@ class StreamingTransformer(StreamingModule):
         kpos_after = kpos.scatter(1, index, positions)
         delta = positions[:, :, None] - kpos_after[:, None, :]
         allowed = (kpos_after >= 0)[:, None, :] & (delta >= 0)
+        # The published ring gives its oldest entry, once the ring is full, the position of the
+        # next write, which masks it: only the last `context - 1` positions are attended
+        # (`kpos > end - context`). Reproduced so long calls stay exact; pinned entries are exempt.
+        end = (pos + T)[:, None]
+        recent = (kpos_after > end - self.context)[:, None, :] & (delta < self.context)
         pinned = (kpos_after < pin_)[:, None, :]
-        allowed = allowed & ((delta < self.context) | pinned)
+        allowed = allowed & (recent | pinned)
         commit(kpos, kpos_after, ctx.active)
         commit(pos, pos + T, ctx.active)
         return AttentionPlan(positions=positions, index=index, mask=allowed.view(B, 1, T, self.context))

@@ -1,0 +1,504 @@
+"""PersonaPlexEngine: the real speech-to-speech engine (Mimi + PersonaPlex LM), batched by slot.
+
+One `step` is one 80 ms tick for every slot at once: Mimi-encode the user frames, force the user
+codes into the token ring, run the temporal transformer on the ring's input column, sample the
+text token and the depth transformer's audio tokens, read the output row (one step behind) and
+Mimi-decode the agent codebooks. Inactive slots are computed (static shapes) but their state is
+never touched (exec mask).
+
+`start` runs a persona's system prompt into a slot. Every prompt token is forced, so the
+transformer sees a fixed sequence of input embeddings: by default (`prefill="parallel"`) the
+whole prompt is one transformer forward over all its positions; `prefill="stepwise"` replays it
+step by step through the same code path as `step` (the published behaviour, kept for tests and
+benchmarks). Greedy float32 outputs equal the published implementation token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from personaplex_voice.engine.base import (
+    FRAME_SIZE,
+    SAMPLE_RATE,
+    EngineError,
+    Persona,
+    PersonaError,
+    PreparedPersona,
+    StepOutput,
+    VoiceInfo,
+)
+from personaplex_voice.engine.prompts import PAD_ID, TextTokenizer, wrap_system_prompt
+from personaplex_voice.engine.sampling import SlotSampler
+from personaplex_voice.engine.tokens import RingSlot, TokenRing
+from personaplex_voice.engine.voices import VoiceLibrary, load_voice_audio, load_voice_pt, normalize_loudness
+from personaplex_voice.model.loaders import default_lm_dtype, load_lm, load_mimi
+from personaplex_voice.model.streaming import StepContext, StreamState, reset_slot
+
+if TYPE_CHECKING:
+    from personaplex_voice.model.sources import ModelFiles
+
+log = logging.getLogger(__name__)
+
+# Forced codes of the system prompt (published values for the 8-codebook Mimi).
+SILENCE_TOKENS = [948, 243, 1178, 546, 1736, 1030, 1978, 2008]
+SINE_TOKENS = [430, 1268, 381, 1611, 1095, 1495, 56, 472]
+SILENCE_SECONDS = 0.5
+DEFAULT_VOICE = "NATF2.pt"
+PREFILL_MODES = ("parallel", "stepwise")
+
+
+@dataclass
+class PromptPlan:
+    """A persona's system prompt as generator steps, and the token ring after it.
+
+    `step_values` [S, K]: the tokens forced at each step; `replay` [M, dim]: stored voice
+    embeddings fed (instead of the embedded input column) to the first M model runs;
+    `run_tokens` [R, K]: the input column of every other model run; `after_replay`: the token
+    cache a `.pt` voice restores after its replay; `final`: the ring after the whole prompt.
+    """
+
+    step_values: torch.Tensor
+    replay: torch.Tensor | None
+    after_replay: torch.Tensor | None
+    run_tokens: torch.Tensor
+    final: RingSlot
+
+    @property
+    def steps(self) -> int:
+        return int(self.step_values.shape[0])
+
+    @property
+    def model_runs(self) -> int:
+        return self.final.offset - 1
+
+
+@dataclass
+class EngineSnapshot:
+    """One slot's state right after its system prompt (persona cache entry)."""
+
+    lm: dict[str, torch.Tensor]
+    ring: RingSlot
+    used: int  # KV ring entries in use (the prompt's model runs)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        total = sum(t.numel() * t.element_size() for t in self.lm.values())
+        total += self.ring.cache.numel() * 8 + self.ring.provided.numel()
+        self.nbytes = total
+
+
+class PersonaPlexEngine:
+    """The `Engine` of personaplex_voice.engine.base on the real model.
+
+    Options: `prefill` "parallel" (default) or "stepwise"; `keep_prompt` pins the system prompt's
+    KV entries past the context (opt-in, see docs/engine.md); `capture_logits` keeps the last
+    step's text and depformer logits in `last_text_logits` / `last_audio_logits` (tests);
+    `cuda_graphs` captures the batched step as CUDA graphs (CUDA only); `compile` wraps the LM
+    step with torch.compile.
+    """
+
+    sample_rate = SAMPLE_RATE
+    frame_size = FRAME_SIZE
+
+    def __init__(
+        self,
+        files: ModelFiles,
+        num_slots: int = 1,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        *,
+        prefill: str = "parallel",
+        keep_prompt: bool = False,
+        capture_logits: bool = False,
+        cuda_graphs: bool = False,
+        compile: bool = False,
+    ):
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        self.files = files
+        self.name = files.name
+        self.cfg = files.config
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.dtype = dtype or default_lm_dtype(self.device)
+        self.prefill = prefill
+        self.keep_prompt = keep_prompt
+        self.capture_logits = capture_logits
+        if self.cfg.frame_size != FRAME_SIZE or self.cfg.sample_rate != SAMPLE_RATE:
+            raise ValueError("the engine runs 24 kHz audio in 80 ms frames")
+
+        self.mimi = load_mimi(self.cfg, files.mimi_weights, self.device)
+        self.lm = load_lm(self.cfg, files.lm_weights, self.device, self.dtype)
+        self.tokenizer = TextTokenizer(files.tokenizer)
+        self.voice_library = VoiceLibrary(list(files.voice_dirs), source="model")
+
+        lm_cfg = self.cfg.lm
+        self.n_audio = self.cfg.mimi.num_codebooks
+        self.K = lm_cfg.num_streams
+        self.dep_q = lm_cfg.dep_q
+        if len(SILENCE_TOKENS) != self.n_audio:
+            raise ValueError("the system prompt's forced codes are defined for 8 Mimi codebooks")
+        self.silence_steps = int(SILENCE_SECONDS * self.cfg.frame_rate)
+        initial = [lm_cfg.text_card] + [lm_cfg.card] * lm_cfg.n_q
+
+        self.lm_state: StreamState = self.lm.init_state(num_slots)
+        self.mimi_state: StreamState = self.mimi.init_state(num_slots)
+        self._mimi_fresh: StreamState = self.mimi.init_state(1)
+        self.ring = TokenRing(num_slots, list(lm_cfg.delays), initial, self.dep_q, self.device)
+        self.sampler = SlotSampler(
+            num_slots, self.lm.text_linear.out_features, lm_cfg.card, self.dep_q, self.device
+        )
+        self._plan_ring = TokenRing(1, list(lm_cfg.delays), initial, self.dep_q, torch.device("cpu"))
+        self._started = [False] * num_slots
+        self.last_text_logits: np.ndarray | None = None
+        self.last_audio_logits: np.ndarray | None = None
+        self.last_tokens: np.ndarray | None = None  # [B, dep_q + 1] output rows of the last step
+        self._audio_logits_buf = (
+            torch.zeros(num_slots, self.dep_q, lm_cfg.card, device=self.device) if capture_logits else None
+        )
+        self._graphs: Any = None
+        if compile:
+            self._lm_forward = torch.compile(self.lm.forward_embeddings, dynamic=False)
+        else:
+            self._lm_forward = self.lm.forward_embeddings
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError("cuda_graphs needs device='cuda'")
+            from personaplex_voice.engine.graphs import GraphedStep
+
+            self._graphs = GraphedStep(self)
+
+    # ---------------------------------------------------------------- personas
+
+    def voices(self) -> list[VoiceInfo]:
+        return self.voice_library.list()
+
+    def _default_voice(self) -> str | None:
+        names = [v.name for v in self.voice_library.list()]
+        if DEFAULT_VOICE in names:
+            return DEFAULT_VOICE
+        return names[0] if names else None
+
+    def prepare(self, persona: Persona) -> PreparedPersona:
+        """Validate the persona and plan its system prompt (voice loaded and Mimi-encoded)."""
+        voice = persona.voice if persona.voice is not None else self._default_voice()
+        voice_key: tuple[Any, ...] = (None,)
+        replay = cache_after = None
+        voice_codes: torch.Tensor | None = None
+        if voice is not None:
+            path = self.voice_library.resolve(voice)
+            stat = path.stat()
+            voice_key = (str(path), stat.st_mtime_ns, stat.st_size)
+            if path.suffix.lower() == ".pt":
+                replay, cache_after = load_voice_pt(path)
+                if replay.shape[-1] != self.cfg.lm.dim or tuple(cache_after.shape[1:]) != (
+                    self.K,
+                    self.ring.C,
+                ):
+                    raise PersonaError(f"voice {voice!r} was made for another model")
+                replay = replay.reshape(replay.shape[0], -1)
+            else:
+                voice_codes = self.encode_audio(load_voice_audio(path))
+        text = wrap_system_prompt(persona.text_prompt)
+        text_tokens = self.tokenizer.encode(text) if text else []
+        plan = self._plan(voice_codes, replay, cache_after, text_tokens)
+        if plan.model_runs >= self.cfg.lm.context:
+            raise PersonaError(
+                f"system prompt too long: {plan.steps} steps, the model's context is {self.cfg.lm.context}"
+            )
+        return PreparedPersona(
+            persona=persona,
+            cache_key=(self.name, voice_key, persona.text_prompt),
+            prompt_steps=plan.steps,
+            payload=plan,
+        )
+
+    @torch.no_grad()
+    def encode_audio(self, pcm: np.ndarray) -> torch.Tensor:
+        """Streaming Mimi codes [frames, num_codebooks] of 24 kHz audio (last frame zero-padded)."""
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        frames = max(1, -(-pcm.size // FRAME_SIZE))
+        padded = np.zeros(frames * FRAME_SIZE, dtype=np.float32)
+        padded[: pcm.size] = pcm
+        ctx = StepContext(self.mimi.init_state(1))
+        x = torch.from_numpy(padded).to(self.device).view(frames, 1, FRAME_SIZE)
+        codes = [self.mimi.encode(x[i : i + 1], ctx)[0, :, 0] for i in range(frames)]
+        return torch.stack(codes).cpu()
+
+    def _prompt_values(
+        self, voice_codes: torch.Tensor | None, n_replay: int, text_tokens: list[int]
+    ) -> torch.Tensor:
+        card = self.cfg.lm.card
+        rows: list[list[int]] = []
+        if n_replay:
+            # A stored voice replays embeddings; the steps force placeholder tokens (as published).
+            rows += [[PAD_ID] + [card] * (2 * self.n_audio)] * (n_replay + 1)
+        if voice_codes is not None:
+            rows += [[PAD_ID, *c, *SINE_TOKENS] for c in voice_codes.tolist()]
+        silence = [[PAD_ID, *SILENCE_TOKENS, *SINE_TOKENS]] * self.silence_steps
+        rows += silence + [[t, *SILENCE_TOKENS, *SINE_TOKENS] for t in text_tokens] + silence
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _plan(
+        self,
+        voice_codes: torch.Tensor | None,
+        replay: torch.Tensor | None,
+        cache_after: torch.Tensor | None,
+        text_tokens: list[int],
+    ) -> PromptPlan:
+        """Simulate the prompt on a batch-1 token ring (no model): forced tokens only."""
+        n_replay = 0 if replay is None else int(replay.shape[0])
+        values = self._prompt_values(voice_codes, n_replay, text_tokens)
+        ring = self._plan_ring
+        ring.reset(0)
+        given = torch.ones(1, self.K, dtype=torch.bool)
+        run_tokens = []
+        for i, row in enumerate(values):
+            ring.write_given(row[None], given, None)
+            if int(ring.offset[0]) == 0:
+                ring.first_step(0)
+                continue
+            inp, target, provided = ring.model_io()
+            if not bool(provided.all()):
+                raise EngineError("internal: a system prompt step left a stream unforced")
+            if i > n_replay:
+                run_tokens.append(inp[0])
+            ring.commit(target[:, 0], target[:, 1 : self.dep_q + 1], provided, None)
+            if n_replay and i == n_replay:
+                assert cache_after is not None
+                ring.cache[0] = cache_after[0]
+        return PromptPlan(
+            step_values=values,
+            replay=replay,
+            after_replay=None if cache_after is None else cache_after[0].clone(),
+            run_tokens=torch.stack(run_tokens) if run_tokens else torch.zeros(0, self.K, dtype=torch.long),
+            final=ring.read(0),
+        )
+
+    # ---------------------------------------------------------------- slots
+
+    def _reset_slot(self, slot: int) -> None:
+        self.lm.reset_slot(self.lm_state, slot)
+        reset_slot(self.mimi_state, self._mimi_fresh, slot)
+        self.ring.reset(slot)
+        self.sampler.release(slot)
+        self._started[slot] = False
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise EngineError(f"slot {slot} out of range (0..{self.num_slots - 1})")
+
+    def _seed(self, persona: Persona) -> int:
+        return persona.seed if persona.seed is not None else secrets.randbelow(2**63)
+
+    @torch.no_grad()
+    def start(self, slot: int, prepared: PreparedPersona) -> None:
+        self._check_slot(slot)
+        plan: PromptPlan = prepared.payload
+        self._reset_slot(slot)
+        if self.keep_prompt:
+            self.lm_state["transformer:pin"][slot] = plan.model_runs
+        if self.prefill == "parallel":
+            self._prefill_parallel(slot, plan)
+        else:
+            self._prefill_stepwise(slot, plan)
+        self.sampler.configure(slot, prepared.persona.sampling, self._seed(prepared.persona))
+        self._started[slot] = True
+
+    def _slot_ctx(self, slot: int) -> StepContext:
+        return StepContext({k: v[slot : slot + 1] for k, v in self.lm_state.items()})
+
+    def _prefill_parallel(self, slot: int, plan: PromptPlan) -> None:
+        parts = []
+        if plan.replay is not None:
+            parts.append(plan.replay.to(self.device, self.dtype))
+        if plan.run_tokens.shape[0]:
+            tokens = plan.run_tokens.to(self.device).T[None]  # [1, K, R]
+            parts.append(self.lm.embed_codes(tokens)[0])
+        if parts:
+            x = torch.cat(parts)[None]
+            self.lm.transformer(x, self._slot_ctx(slot))
+        self.ring.load(slot, plan.final)
+
+    def _prefill_stepwise(self, slot: int, plan: PromptPlan) -> None:
+        B = self.num_slots
+        active = torch.zeros(B, dtype=torch.bool, device=self.device)
+        active[slot] = True
+        active_list = [i == slot for i in range(B)]
+        given = active[:, None].expand(B, self.K)
+        n_replay = 0 if plan.replay is None else plan.replay.shape[0]
+        override = torch.zeros(B, self.cfg.lm.dim, device=self.device, dtype=self.dtype)
+        for i, row in enumerate(plan.step_values.to(self.device)):
+            self.ring.write_given(row[None].expand(B, self.K), given, active)
+            if int(self.ring.offset[slot]) == 0:
+                self.ring.first_step(slot)
+                continue
+            replaying = plan.replay is not None and i <= n_replay
+            if replaying:
+                assert plan.replay is not None
+                override[slot] = plan.replay[i - 1].to(self.device, self.dtype)
+            self._lm_step(active, active_list, override if replaying else None)
+            if replaying and i == n_replay:
+                assert plan.after_replay is not None
+                self.ring.cache[slot] = plan.after_replay.to(self.device)
+
+    def snapshot(self, slot: int) -> EngineSnapshot:
+        self._check_slot(slot)
+        used = int(self.lm_state["transformer:pos"][slot])
+        lm = {}
+        for key, value in self.lm_state.items():
+            row = value[slot]
+            if key.endswith((":k", ":v")):
+                row = row[:, :used]
+            lm[key] = row.clone()
+        return EngineSnapshot(lm=lm, ring=self.ring.read(slot), used=used)
+
+    @torch.no_grad()
+    def restore(self, slot: int, snapshot: EngineSnapshot, prepared: PreparedPersona) -> None:
+        self._check_slot(slot)
+        self._reset_slot(slot)
+        for key, value in self.lm_state.items():
+            saved = snapshot.lm[key]
+            if key.endswith((":k", ":v")):
+                value[slot, :, : snapshot.used] = saved
+            else:
+                value[slot] = saved
+        self.ring.load(slot, snapshot.ring)
+        self.sampler.configure(slot, prepared.persona.sampling, self._seed(prepared.persona))
+        self._started[slot] = True
+
+    def release(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.sampler.release(slot)
+        self._started[slot] = False
+
+    # ---------------------------------------------------------------- the tick
+
+    def _lm_step(
+        self, active: torch.Tensor | None, active_list: list[bool], override: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Model run on the ring's current column for every slot; returns the output rows."""
+        inp, target, provided = self.ring.model_io()
+        emb = self.lm.embed_codes(inp[:, :, None])
+        if override is not None and active is not None:
+            emb = torch.where(active[:, None, None], override[:, None].to(emb.dtype), emb)
+        hidden, text_logits = self._lm_forward(emb, StepContext(self.lm_state, active))
+        sampling = self.sampler.draw_noise(active_list)
+        text_logits = text_logits[:, 0].float()
+        text = self.sampler.text(text_logits, sampling)
+        next_text = torch.where(provided[:, 0], target[:, 0], text)
+        dq = self.dep_q
+        audio = self.lm.depformer_tokens(
+            hidden[:, 0],
+            next_text,
+            target[:, 1 : dq + 1],
+            provided[:, 1 : dq + 1],
+            lambda logits, cb: self.sampler.audio(logits, cb, sampling),
+            self._audio_logits_buf,
+        )
+        if self.capture_logits:
+            assert self._audio_logits_buf is not None
+            self.last_text_logits = text_logits.cpu().numpy().copy()
+            self.last_audio_logits = self._audio_logits_buf.cpu().numpy().copy()
+        return self.ring.commit(text, audio, provided, active)
+
+    @torch.no_grad()
+    def step(self, pcm: np.ndarray, active: np.ndarray) -> StepOutput:
+        active_np = np.asarray(active, dtype=bool).reshape(self.num_slots)
+        B = self.num_slots
+        for slot in np.flatnonzero(active_np):
+            if not self._started[slot]:
+                raise EngineError(f"slot {slot} is active but was never started")
+        if not active_np.any():
+            return StepOutput(pcm=np.zeros((B, FRAME_SIZE), np.float32), text=[None] * B)
+        if self._graphs is not None:
+            out, pcm_out = self._graphs.run(pcm, active_np)
+        else:
+            out, pcm_out = self._step_tensors(
+                torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)).to(self.device),
+                None if active_np.all() else torch.from_numpy(active_np).to(self.device),
+                active_np.tolist(),
+            )
+        tokens = out.cpu().numpy()
+        self.last_tokens = tokens
+        text = [self.tokenizer.display_piece(int(tokens[b, 0])) if active_np[b] else None for b in range(B)]
+        return StepOutput(
+            pcm=pcm_out.cpu().numpy().astype(np.float32, copy=False),
+            text=text,
+            text_tokens=tokens[:, 0].copy(),
+            audio_tokens=tokens[:, 1 : 1 + self.n_audio].copy(),
+        )
+
+    def _step_tensors(
+        self, pcm: torch.Tensor, active: torch.Tensor | None, active_list: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batched tick on device tensors: pcm [B, FRAME] -> (output rows [B, dq+1], pcm [B, FRAME])."""
+        B = self.num_slots
+        mimi_ctx = StepContext(self.mimi_state, active)
+        codes = self.mimi.encode(pcm[:, None], mimi_ctx)[:, :, 0]
+        values = torch.zeros(B, self.K, dtype=torch.long, device=self.device)
+        values[:, 1 + self.n_audio :] = codes
+        given = torch.zeros(B, self.K, dtype=torch.bool, device=self.device)
+        given[:, 1 + self.n_audio :] = True
+        self.ring.write_given(values, given, active)
+        out = self._lm_step(active, active_list)
+        pcm_out = self.mimi.decode(out[:, 1 : 1 + self.n_audio, None], mimi_ctx)
+        return out, pcm_out[:, 0]
+
+    # ---------------------------------------------------------------- voices
+
+    @torch.no_grad()
+    def make_voice(self, audio_24k: np.ndarray, normalized: bool = False) -> dict[str, torch.Tensor]:
+        """The published `.pt` voice of an audio prompt: {"embeddings" [N, 1, 1, dim], "cache" [1, K, C]}.
+
+        `audio_24k` is mono 24 kHz; it is normalised to -24 LUFS here unless `normalized` says the
+        caller already did (e.g. with `voices.load_voice_audio`).
+        """
+        pcm = np.asarray(audio_24k, dtype=np.float32).reshape(-1)
+        if not normalized:
+            pcm = normalize_loudness(pcm)
+        codes = self.encode_audio(pcm)
+        values = self._prompt_values(codes, 0, [])[: codes.shape[0]]
+        ring = self._plan_ring
+        ring.reset(0)
+        given = torch.ones(1, self.K, dtype=torch.bool)
+        inputs = []
+        for row in values:
+            ring.write_given(row[None], given, None)
+            if int(ring.offset[0]) == 0:
+                ring.first_step(0)
+                continue
+            inp, target, provided = ring.model_io()
+            inputs.append(inp[0])
+            ring.commit(target[:, 0], target[:, 1 : self.dep_q + 1], provided, None)
+        if not inputs:
+            raise PersonaError("voice prompt audio is too short (needs at least two 80 ms frames)")
+        tokens = torch.stack(inputs).T[None].to(self.device)  # [1, K, N]
+        emb = self.lm.embed_codes(tokens)[0].float().cpu()  # [N, dim]
+        return {"embeddings": emb[:, None, None, :].contiguous(), "cache": ring.cache[0:1].clone()}
+
+
+def golden_like_files(root: Path, name: str | None = None) -> Any:
+    """A ModelFiles for a model directory with the golden layout (used by tests and benches)."""
+    from personaplex_voice.model.config import ModelConfig
+    from personaplex_voice.model.sources import ModelFiles
+
+    cfg = ModelConfig.from_json(root / "config.json")
+    return ModelFiles(
+        name=name or str(root),
+        config=cfg,
+        lm_weights=root / "model.safetensors",
+        mimi_weights=root / "mimi.safetensors",
+        tokenizer=root / cfg.text_tokenizer,
+        voice_dirs=(root / "voices",),
+        lm_dtype_in_file=cfg.lm_dtype_in_file,
+    )
