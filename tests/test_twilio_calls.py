@@ -1,0 +1,247 @@
+"""Call control: outbound calls (endpoint and CLI), hang-ups when a session ends on the server,
+DTMF, status callbacks. Twilio's REST cloud is the one thing faked, at its HTTP boundary: a
+`twilio.http.HttpClient` that records requests and answers like the API. The server is the real
+app under a real uvicorn, in this process so the fake can be handed to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import numpy as np
+import personaplex_twilio
+import pytest
+from personaplex_twilio.config import TwilioSettings
+from support_twilio import ACCOUNT_SID, TwilioSimulator, running_app
+from twilio.http import HttpClient
+from twilio.http.response import Response
+
+from personaplex_voice.engine.loopback import LoopbackEngine
+from personaplex_voice.server.app import create_app
+from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.sessions import SessionManager
+
+AUTH_TOKEN = "calls-test-auth-token"
+API_TOKEN = "calls-test-api-token"
+API = f"https://api.twilio.com/2010-04-01/Accounts/{ACCOUNT_SID}/Calls"
+
+
+@dataclass
+class Sent:
+    method: str
+    url: str
+    data: dict
+    auth: tuple | None
+
+
+class FakeTwilioCloud(HttpClient):
+    """Answers Calls create (201) and update (200) like api.twilio.com; records every request."""
+
+    def __init__(self) -> None:
+        super().__init__(logger=None, is_async=False)
+        self.requests: list[Sent] = []
+        self.created = 0
+
+    def request(self, method, uri, params=None, data=None, headers=None, auth=None, timeout=None, **kw):
+        self.requests.append(Sent(method, uri, dict(data or {}), auth))
+        path = urlsplit(uri).path
+        if method == "POST" and path.endswith("/Calls.json"):
+            self.created += 1
+            sid = "CA" + f"{self.created:032x}"
+            body = {"sid": sid, "account_sid": ACCOUNT_SID, "status": "queued", "to": data["To"]}
+            return Response(201, json.dumps(body))
+        if method == "POST" and "/Calls/CA" in path:
+            sid = path.rsplit("/", 1)[1].removesuffix(".json")
+            return Response(200, json.dumps({"sid": sid, "account_sid": ACCOUNT_SID, "status": "completed"}))
+        return Response(404, json.dumps({"code": 20404, "message": "not found", "status": 404}))
+
+    def hangups(self) -> list[str]:
+        return [
+            urlsplit(r.url).path.rsplit("/", 1)[1].removesuffix(".json")
+            for r in self.requests
+            if "/Calls/CA" in r.url and r.data.get("Status") == "completed"
+        ]
+
+
+@dataclass
+class Harness:
+    url: str
+    cloud: FakeTwilioCloud
+    manager: SessionManager
+    sim: TwilioSimulator
+    app: object
+
+
+@pytest.fixture
+def harness(tmp_path) -> Iterator[Harness]:
+    personas = tmp_path / "personas.yaml"
+    personas.write_text(
+        "default: desk\npersonas:\n  desk: {text_prompt: 'Front desk.'}\n  sales: {text_prompt: 'Sales.'}\n"
+    )
+    # The manager ends sessions after 1.5 s of audio: a server-side end the bridge must act on.
+    manager = SessionManager(LoopbackEngine(num_slots=2), max_call_s=1.5, idle_timeout_s=None)
+    app = create_app(ServerSettings(engine="echo"), manager=manager)
+    cloud = FakeTwilioCloud()
+    with running_app(app) as server:
+        settings = TwilioSettings(
+            account_sid=ACCOUNT_SID,
+            auth_token=AUTH_TOKEN,
+            public_url=server.url,
+            api_token=API_TOKEN,
+            personas_file=personas,
+            hangup_digits="#",
+        )
+        personaplex_twilio.mount(app, settings, http_client=cloud)
+        yield Harness(server.url, cloud, manager, TwilioSimulator(server.url, AUTH_TOKEN), app)
+
+
+def calls_state(h: Harness) -> dict:
+    response = httpx.get(h.url + "/twilio/calls", headers={"Authorization": f"Bearer {API_TOKEN}"})
+    assert response.status_code == 200
+    return response.json()
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def test_outbound_call_endpoint_builds_the_rest_request(harness: Harness) -> None:
+    response = httpx.post(
+        harness.url + "/twilio/call",
+        json={"to": "+15550001111", "from": "+15550002222", "persona": "sales"},
+        headers={"Authorization": f"Bearer {API_TOKEN}"},
+    )
+    assert response.status_code == 201, response.text
+    (sent,) = harness.cloud.requests
+    assert (sent.method, sent.url) == ("POST", API + ".json")
+    assert sent.auth == (ACCOUNT_SID, AUTH_TOKEN)
+    assert sent.data["To"] == "+15550001111" and sent.data["From"] == "+15550002222"
+    assert sent.data["Url"] == harness.url + "/twilio/voice?persona=sales"
+    assert sent.data["Method"] == "POST"
+    assert sent.data["StatusCallback"] == harness.url + "/twilio/status"
+    assert sent.data["StatusCallbackEvent"] == ["initiated", "ringing", "answered", "completed"]
+    assert int(sent.data["TimeLimit"]) == 900
+    assert response.json()["call_sid"] == "CA" + f"{1:032x}"
+
+
+def test_outbound_call_with_a_one_off_persona_is_answered_with_it(harness: Harness) -> None:
+    response = httpx.post(
+        harness.url + "/twilio/call",
+        json={"to": "+15550001111", "from": "+15550002222", "text_prompt": "You sell anvils."},
+        headers={"Authorization": f"Bearer {API_TOKEN}"},
+    )
+    assert response.status_code == 201, response.text
+    url = harness.cloud.requests[0].data["Url"]
+    query = parse_qs(urlsplit(url).query)
+    assert set(query) == {"outbound"}  # the prompt stays on the server; only a one-time token travels
+    # The callee answers: Twilio fetches that URL, signed over it (query string included).
+    form = {"AccountSid": ACCOUNT_SID, "CallSid": response.json()["call_sid"], "To": "+15550001111"}
+    answer = harness.sim.post_webhook("/twilio/voice?" + urlsplit(url).query, form)
+    assert answer.status_code == 200 and "<Stream" in answer.text
+    reservation = next(iter(harness.app.state.twilio.registry._reservations.values()))
+    assert reservation.persona.text_prompt == "You sell anvils."
+    # The token is single-use.
+    again = harness.sim.post_webhook("/twilio/voice?" + urlsplit(url).query, form)
+    assert "<Stream" not in again.text and "<Hangup" in again.text
+
+
+def test_outbound_call_endpoint_refuses_without_the_token_or_a_known_persona(harness: Harness) -> None:
+    body = {"to": "+15550001111", "from": "+15550002222"}
+    assert httpx.post(harness.url + "/twilio/call", json=body).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.post(harness.url + "/twilio/call", json=body, headers=wrong).status_code == 401
+    good = {"Authorization": f"Bearer {API_TOKEN}"}
+    response = httpx.post(harness.url + "/twilio/call", json={**body, "persona": "ghost"}, headers=good)
+    assert response.status_code == 400 and "ghost" in response.json()["error"]
+    assert httpx.post(harness.url + "/twilio/call", content=b"{", headers=good).status_code == 400
+    assert harness.cloud.requests == []
+
+
+def test_call_command_builds_the_rest_request(monkeypatch, capsys) -> None:
+    import personaplex_twilio.cli as twilio_cli
+
+    from personaplex_voice.cli import main
+
+    cloud = FakeTwilioCloud()
+    monkeypatch.setattr(twilio_cli, "make_http_client", lambda: cloud)
+    monkeypatch.setenv("TWILIO_ACCOUNT_SID", ACCOUNT_SID)
+    monkeypatch.setenv("TWILIO_AUTH_TOKEN", AUTH_TOKEN)
+    monkeypatch.setenv("PUBLIC_URL", "https://voice.example.test")
+    main(
+        ["call", "--to", "+15550003333", "--from", "+15550004444", "--persona", "sales", "--time-limit", "60"]
+    )
+    (sent,) = cloud.requests
+    assert (sent.method, sent.url) == ("POST", API + ".json")
+    assert sent.data["To"] == "+15550003333" and sent.data["From"] == "+15550004444"
+    assert sent.data["Url"] == "https://voice.example.test/twilio/voice?persona=sales"
+    assert sent.data["StatusCallback"] == "https://voice.example.test/twilio/status"
+    assert sent.data["TimeLimit"] == 60
+    assert capsys.readouterr().out.strip() == "CA" + f"{1:032x}"
+
+
+def test_call_command_without_credentials_is_a_one_line_error(monkeypatch, capsys) -> None:
+    from personaplex_voice.cli import main
+
+    for name in ("TWILIO_ACCOUNT_SID", "TWILIO_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PUBLIC_URL", "https://voice.example.test")
+    with pytest.raises(SystemExit) as info:
+        main(["call", "--to", "+15550003333", "--from", "+15550004444"])
+    assert info.value.code == 2
+    assert "TWILIO_ACCOUNT_SID" in capsys.readouterr().err
+
+
+async def test_server_side_end_hangs_the_call_up(harness: Harness) -> None:
+    call_sid, url, params = await asyncio.to_thread(harness.sim.answer)
+    async with harness.sim.media_stream(url, params, call_sid=call_sid) as call:
+        # Keep talking: the manager's 1.5 s limit ends the session, not silence.
+        talker = asyncio.create_task(call.play(np.zeros(8000 * 4, np.float32)))
+        await asyncio.wait_for(call.closed.wait(), 10)
+        talker.cancel()
+    assert harness.cloud.hangups() == [call_sid]
+    assert call.clears == 1  # what Twilio still held of ours was dropped first
+    state = await asyncio.to_thread(calls_state, harness)
+    record = next(c for c in state["calls"] if c["call_sid"] == call_sid)
+    assert "max_duration" in record["end_reason"]
+    assert state["active_sessions"] == 0
+
+
+async def test_hangup_digit_ends_the_call_and_digits_are_logged(harness: Harness) -> None:
+    call_sid, url, params = await asyncio.to_thread(harness.sim.answer)
+    async with harness.sim.media_stream(url, params, call_sid=call_sid) as call:
+        await call.play(np.zeros(1600, np.float32))
+        await call.dtmf("4")
+        await call.dtmf("2")
+        await asyncio.sleep(0.1)
+        assert not call.closed.is_set()
+        await call.dtmf("#")
+        await asyncio.wait_for(call.closed.wait(), 10)
+    assert harness.cloud.hangups() == [call_sid]
+    state = await asyncio.to_thread(calls_state, harness)
+    record = next(c for c in state["calls"] if c["call_sid"] == call_sid)
+    assert [e["event"] for e in record["events"]] == ["dtmf:4", "dtmf:2", "dtmf:#"]
+    assert record["end_reason"] == "hang-up digit #"
+    assert record["metrics"]["dtmf"] == "42#"
+
+
+async def test_caller_hanging_up_ends_the_session_without_a_rest_call(harness: Harness) -> None:
+    call_sid, url, params = await asyncio.to_thread(harness.sim.answer)
+    async with harness.sim.media_stream(url, params, call_sid=call_sid) as call:
+        await call.play(np.zeros(1600, np.float32))
+    # `stop` came from Twilio: the call is already over, nothing to hang up.
+    await wait_for(lambda: harness.manager.active_count == 0)
+    assert harness.cloud.hangups() == []
+    status = harness.sim.status_callback(call_sid, "completed", CallDuration="1")
+    assert status.status_code == 204
+    record = next(c for c in calls_state(harness)["calls"] if c["call_sid"] == call_sid)
+    assert [s["status"] for s in record["statuses"]][-1] == "completed"
+    assert record["end_reason"] == "stop"
