@@ -93,6 +93,21 @@ def test_weights_not_matching_the_config(golden_dir: Path, tmp_path: Path, secti
     assert_one_line_error(proc, str(root / weights))
 
 
+def test_corrupt_tokenizer(golden_dir: Path, tmp_path: Path) -> None:
+    root = model_dir(golden_dir, tmp_path / "model", {"tokenizer.model": b"not sentencepiece"})
+    proc = offline(root, golden_dir / "user.wav", tmp_path)
+    assert_one_line_error(proc, str(root / "tokenizer.model"))
+
+
+def test_config_the_engine_cannot_run(golden_dir: Path, tmp_path: Path) -> None:
+    config = json.loads((golden_dir / "config.json").read_text())
+    # Same weights, but 48 kHz at 25 Hz: the engine only runs 24 kHz audio in 80 ms frames.
+    config["sample_rate"], config["frame_rate"] = 48000, 25.0
+    root = model_dir(golden_dir, tmp_path / "model", {"config.json": json.dumps(config).encode()})
+    proc = offline(root, golden_dir / "user.wav", tmp_path)
+    assert_one_line_error(proc, f"cannot run model {root}", "24 kHz")
+
+
 def test_unknown_voice(golden_dir: Path, tmp_path: Path) -> None:
     proc = run_cli(
         "offline",

@@ -54,7 +54,9 @@ def build_engine(
 
     from personaplex_voice.engine.generator import PersonaPlexEngine
 
-    if files.is_demo:
+    try:
+        if not files.is_demo:
+            return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
         from personaplex_voice.engine.demo import DEMO_NOTICE, seeded_weights, tune_codec
 
         log.warning(DEMO_NOTICE)
@@ -63,7 +65,9 @@ def build_engine(
             built = PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
             tune_codec(built.mimi)
         return built
-    return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
+    except (ValueError, TypeError) as exc:
+        # The engine refuses a config or an option (other frame rate, unknown keyword...).
+        raise UserError(f"cannot run model {files.name}: {exc}") from None
 
 
 def _check_device(device: str) -> str:
