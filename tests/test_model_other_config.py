@@ -1,0 +1,154 @@
+"""A second tiny architecture (other widths, depths, contexts) built from its config, saved as
+published-format safetensors, loaded back through the loaders: the engine runs it, and a slot in
+a busy batch gives exactly what the same persona gives alone. Also: loader error messages."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from personaplex_voice.engine.base import FRAME_SIZE, Persona, PersonaError, Sampling
+from personaplex_voice.engine.generator import PersonaPlexEngine
+from personaplex_voice.errors import UserError
+from personaplex_voice.model.config import ModelConfig
+from personaplex_voice.model.lm import LMModel
+from personaplex_voice.model.loaders import load_lm, load_mimi
+from personaplex_voice.model.mimi import Mimi
+from personaplex_voice.model.sources import ModelFiles
+
+torch.set_num_threads(1)
+
+
+def other_config(golden_dir) -> ModelConfig:
+    raw = json.loads((golden_dir / "config.json").read_text())
+    cfg = copy.deepcopy(raw)
+    seanet = cfg["mimi"]["seanet"]
+    seanet.update(dimension=24, n_filters=2, n_residual_layers=2, ratios=[4, 8, 6, 5], true_skip=False)
+    cfg["mimi"]["quantizer"].update(dimension=8, n_q=10, input_dimension=24, output_dimension=24)
+    cfg["mimi"]["transformer"].update(
+        d_model=24,
+        num_heads=3,
+        num_layers=1,
+        dim_feedforward=40,
+        context=20,
+        input_dimension=24,
+        output_dimensions=[24],
+    )
+    cfg["lm"].update(
+        dim=48,
+        num_heads=3,
+        num_layers=3,
+        context=64,
+        depformer_dim=16,
+        depformer_num_heads=2,
+        depformer_num_layers=1,
+        depformer_dim_feedforward=64,
+    )
+    return ModelConfig.from_dict(cfg)
+
+
+@pytest.fixture(scope="module")
+def model_dir(golden_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("other_model")
+    cfg = other_config(golden_dir)
+    (root / "config.json").write_text(json.dumps(cfg.to_dict()))
+    torch.manual_seed(0)
+    mimi = Mimi(cfg)
+    with torch.no_grad():
+        for name, buf in mimi.named_buffers():
+            if name.endswith("embedding_sum"):
+                buf.normal_()
+    lm = LMModel(cfg.lm)
+    save_file({k: v.contiguous() for k, v in mimi.state_dict().items()}, str(root / "mimi.safetensors"))
+    lm_sd = {k: v.to(torch.bfloat16).contiguous() for k, v in lm.state_dict().items()}
+    save_file(lm_sd, str(root / "model.safetensors"))
+    shutil.copy(golden_dir / "tokenizer.model", root / "tokenizer.model")
+    (root / "voices").mkdir()
+    shutil.copy(golden_dir / "voices" / "TINYF0.wav", root / "voices" / "V0.wav")
+    shutil.copy(golden_dir / "voices" / "TINYF0.pt", root / "voices" / "OTHER.pt")
+    return root
+
+
+def files_for(root) -> ModelFiles:
+    cfg = ModelConfig.from_json(root / "config.json")
+    return ModelFiles(
+        name="other",
+        config=cfg,
+        lm_weights=root / "model.safetensors",
+        mimi_weights=root / "mimi.safetensors",
+        tokenizer=root / "tokenizer.model",
+        voice_dirs=(root / "voices",),
+        lm_dtype_in_file="bfloat16",
+    )
+
+
+def test_config_round_trips(golden_dir):
+    cfg = other_config(golden_dir)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    big = ModelConfig.personaplex_7b()
+    assert ModelConfig.from_dict(big.to_dict()) == big
+    assert big.lm.dep_q == 16 and big.lm.dim == 4096 and big.mimi.quantizer["n_q"] == 32
+
+
+def test_weights_load_back_exactly(model_dir):
+    cfg = ModelConfig.from_json(model_dir / "config.json")
+    lm = load_lm(cfg, model_dir / "model.safetensors")
+    from safetensors.torch import load_file
+
+    stored = load_file(str(model_dir / "model.safetensors"))
+    for key, value in lm.state_dict().items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, stored[key].float()), key
+    assert lm.transformer.layers[0].gating.linear_in.weight.shape == (2 * 132, 48)  # (2 * 4.125 * 48) // 3
+    assert lm.depformer.layers[0].gating[0].linear_in.weight.shape == (2 * 42, 16)  # ff == 4 * dim rule
+
+
+def test_batch_slot_equals_single_slot(model_dir):
+    files = files_for(model_dir)
+    single = PersonaPlexEngine(files, num_slots=1)
+    batch = PersonaPlexEngine(files, num_slots=3)
+    me = Persona(text_prompt="Hello there.", voice="V0", sampling=Sampling(greedy=True))
+    other = Persona(text_prompt="Something else entirely.", voice="V0", seed=5)
+    with pytest.raises(PersonaError, match=r"another model"):
+        single.prepare(Persona(voice="OTHER.pt"))
+    single.start(0, single.prepare(me))
+    batch.start(0, batch.prepare(other))
+    batch.start(2, batch.prepare(me))
+    rng = np.random.default_rng(3)
+    frames = (rng.standard_normal((45, FRAME_SIZE)) * 0.2).astype(np.float32)
+    for i, frame in enumerate(frames):
+        a = single.step(frame[None], np.array([True]))
+        noise = rng.standard_normal(FRAME_SIZE).astype(np.float32)
+        b = batch.step(np.stack([noise, noise, frame]), np.array([i % 3 != 1, False, True]))
+        np.testing.assert_array_equal(single.last_tokens[0], batch.last_tokens[2])
+        np.testing.assert_allclose(a.pcm[0], b.pcm[2], atol=1e-5, rtol=0)
+    # Past both contexts (Mimi 20 steps, LM 64): the slot kept rolling.
+    assert int(batch.lm_state["transformer:pos"][2]) > 64
+
+
+def test_loader_errors_name_the_file(model_dir, tmp_path):
+    cfg = ModelConfig.from_json(model_dir / "config.json")
+    with pytest.raises(UserError, match=r"missing.safetensors.*not found"):
+        load_lm(cfg, tmp_path / "missing.safetensors")
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\x00" * 50)
+    with pytest.raises(UserError, match=r"corrupt.safetensors.*not a valid safetensors"):
+        load_mimi(cfg, tmp_path / "corrupt.safetensors")
+    from safetensors.torch import load_file
+
+    sd = load_file(str(model_dir / "model.safetensors"))
+    key = "transformer.layers.0.gating.linear_in.weight"
+    save_file({k: v for k, v in sd.items() if k != key}, str(tmp_path / "missing_key.safetensors"))
+    with pytest.raises(UserError, match=r"missing_key.safetensors.*missing keys transformer.layers.0"):
+        load_lm(cfg, tmp_path / "missing_key.safetensors")
+    save_file({**sd, "extra.weight": torch.zeros(2)}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(UserError, match=r"unexpected keys extra.weight"):
+        load_lm(cfg, tmp_path / "extra.safetensors")
+    save_file({**sd, key: torch.zeros(3, 3)}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(UserError, match=r"shape.safetensors.*shape mismatch"):
+        load_lm(cfg, tmp_path / "shape.safetensors")
