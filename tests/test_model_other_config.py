@@ -44,7 +44,7 @@ def other_config(golden_dir) -> ModelConfig:
         dim=48,
         num_heads=3,
         num_layers=3,
-        context=64,
+        context=90,
         depformer_dim=16,
         depformer_num_heads=2,
         depformer_num_layers=1,
@@ -128,8 +128,8 @@ def test_batch_slot_equals_single_slot(model_dir):
         b = batch.step(np.stack([noise, noise, frame]), np.array([i % 3 != 1, False, True]))
         np.testing.assert_array_equal(single.last_tokens[0], batch.last_tokens[2])
         np.testing.assert_allclose(a.pcm[0], b.pcm[2], atol=1e-5, rtol=0)
-    # Past both contexts (Mimi 20 steps, LM 64): the slot kept rolling.
-    assert int(batch.lm_state["transformer:pos"][2]) > 64
+    # Past both contexts (Mimi 20 steps, LM 90): the slot kept rolling.
+    assert int(batch.lm_state["transformer:pos"][2]) > 90
 
 
 def test_loader_errors_name_the_file(model_dir, tmp_path):
