@@ -192,8 +192,22 @@ def test_dev_flag_accepts_unsigned_requests() -> None:
 # --- pacing ---------------------------------------------------------------------------------------
 
 
+def test_playback_clock_paces_under_the_target_and_the_limit() -> None:
+    clock = PlaybackClock(max_queued_s=0.100, target_s=0.060)
+    now = 10.0
+    for _ in range(3):
+        assert clock.wait_before_send(now) == 0.0
+        clock.sent(now)
+    assert abs(clock.wait_before_send(now) - CHUNK_S) < 1e-9  # 60 ms queued: the next waits 20 ms
+    assert PlaybackClock(max_queued_s=0.040, target_s=0.500).wait_before_send(now) == 0.0
+    capped = PlaybackClock(max_queued_s=0.040, target_s=0.500)
+    capped.sent(now)
+    capped.sent(now)
+    assert abs(capped.wait_before_send(now) - CHUNK_S) < 1e-9  # the limit wins over the target
+
+
 def test_playback_clock_never_lets_twilio_hold_more_than_the_limit() -> None:
-    clock = PlaybackClock(max_queued_s=0.100)
+    clock = PlaybackClock(max_queued_s=0.100, target_s=0.100)
     now = 10.0
     waits = []
     for _ in range(40):  # a burst: two seconds of audio offered at once

@@ -40,8 +40,12 @@ class TwilioSettings(BaseSettings):
     idle_timeout_s: float = Field(20.0, gt=0)  # no message at all from Twilio for this long
     ready_timeout_s: float = Field(15.0, gt=0)  # session admission + prompt prefill
     stream_connect_timeout_s: float = Field(20.0, gt=0)  # webhook answered -> `start` received
-    # Outbound pacing: never let Twilio hold more than this much of our audio.
+    # Outbound pacing: never let Twilio hold more than `max_queued_ms` of our audio; keep
+    # `playout_cushion_ms` there (silence at the start) so late engine frames leave no gap.
     max_queued_ms: float = Field(100.0, ge=40.0, le=1000.0)
+    playout_cushion_ms: float = Field(40.0, ge=0.0, le=500.0)
+    # Audio from the engine waiting to be paced out; beyond this the oldest is dropped.
+    max_buffered_ms: float = Field(400.0, ge=100.0, le=5000.0)
     # How long before each engine tick the caller's next 80 ms frame should be complete: inbound
     # messages may come this much late without leaving the agent a gap. Set once per call by a
     # little silence ahead of the caller's audio, phased against the engine's frame clock.

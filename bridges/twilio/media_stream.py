@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,7 +99,10 @@ class MediaStreamCall:
         self.record: Any = None
         self.inbound = InboundAudio()
         self.outbound = OutboundAudio()
-        self.clock = PlaybackClock(max_queued_s=self.settings.max_queued_ms / 1000)
+        self.clock = PlaybackClock(
+            max_queued_s=self.settings.max_queued_ms / 1000,
+            target_s=min(self.settings.max_queued_ms, self.settings.playout_cushion_ms + 20) / 1000,
+        )
         self.marks = MarkTracker()
         self.jitter = FrameJitter()
         self.frames_in = 0
@@ -114,6 +118,12 @@ class MediaStreamCall:
         self._ended: CallEnded | None = None
         self._cushioned = False
         self._tick_origin: float | None = None  # when the engine delivered this call's first frame
+        # Outbound audio not yet sent: 160-byte payloads, and mark names (str) after each frame.
+        self._outbox: deque[bytes | str] = deque()
+        self._outbox_ready = asyncio.Event()
+        self._frames_done = False
+        self._cushion_chunks = round(self.settings.playout_cushion_ms / 1000 / CHUNK_S)
+        self.out_dropped = 0
 
     # --- the receive loop ---------------------------------------------------------------
     async def run(self) -> None:
@@ -307,28 +317,66 @@ class MediaStreamCall:
         self.clock.sent(now, CHUNK_S)
         self.frames_out += 1
 
-    async def _send_loop(self) -> None:
+    async def _read_frames(self) -> None:
+        """Session frames -> 20 ms payloads (and a mark per frame) in the local outbound buffer.
+
+        Takes each frame the moment the engine delivers it (so `_tick_origin` is the engine's
+        clock); the pacer sends from the buffer at real time. A buffer grown past
+        `max_buffered_ms` (the engine ran ahead) loses its oldest audio: latency stays bounded."""
         session = self.session
+        limit = max(1, round(self.settings.max_buffered_ms / 1000 / CHUNK_S))
         try:
             async for out in session.frames():
+                now = monotonic()
                 if self._tick_origin is None:
-                    self._tick_origin = monotonic()
-                chunks = self.outbound.convert(out.pcm)
-                if not chunks:
+                    self._tick_origin = now
+                self.jitter.frame(now)
+                for chunk in self.outbound.convert(out.pcm):
+                    self._outbox.append(chunk)
+                self._outbox.append(str(out.index))  # a mark after the frame
+                while self._outbox_chunks() > limit:
+                    if isinstance(self._outbox.popleft(), bytes):
+                        self.out_dropped += 1
+                self._outbox_ready.set()
+        finally:
+            self._frames_done = True
+            self._outbox_ready.set()
+
+    def _outbox_chunks(self) -> int:
+        return sum(isinstance(item, bytes) for item in self._outbox)
+
+    async def _send_loop(self) -> None:
+        """Paces the local buffer out: a 20 ms message whenever Twilio's buffer has room under the
+        target, marks as they come. An empty Twilio buffer is first refilled with the cushion."""
+        reader = asyncio.create_task(self._read_frames())
+        try:
+            while True:
+                if not self._outbox:
+                    if self._frames_done:
+                        break
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
                     continue
-                self.jitter.frame(monotonic())
+                item = self._outbox.popleft()
+                if isinstance(item, str):
+                    await self._send_json(
+                        {"event": "mark", "streamSid": self.stream_sid, "mark": {"name": item}}
+                    )
+                    self.marks.add(item, self.clock.sent_s)
+                    continue
                 if self.clock.needs_prime(monotonic()):
-                    await self._send_chunk(SILENCE_CHUNK)
-                for chunk in chunks:
-                    await self._send_chunk(chunk)
-                name = str(out.index)
-                await self._send_json({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
-                self.marks.add(name, self.clock.sent_s)
+                    for _ in range(self._cushion_chunks):
+                        await self._send_chunk(SILENCE_CHUNK)
+                await self._send_chunk(item)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             # The socket went away under us; the receive loop notices and ends the call.
             self._end(f"socket closed while sending ({type(exc).__name__})", hang_up=False)
             return
-        reason = getattr(session, "close_reason", None) or "session ended"
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+        reason = getattr(self.session, "close_reason", None) or "session ended"
         self._end(f"session ended: {reason}", hang_up=True)
 
     # --- the end ---------------------------------------------------------------------------
@@ -370,6 +418,7 @@ class MediaStreamCall:
             "inbound_dropped_before_ready": self.inbound_dropped,
             "inbound_gaps": self.inbound_gaps,
             "late_frames": self.clock.underruns,
+            "outbound_dropped": self.out_dropped,
             "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
             "jitter_p99_ms": round(self.jitter.p99_ms(), 2),
             "max_queued_ms_model": round(self.clock.max_seen_queue_s * 1000, 1),

@@ -3,12 +3,14 @@
 Twilio plays what we send at real time and buffers the rest, so every millisecond it holds is
 heard as delay, and is still played after the agent has gone quiet (a caller who barges in keeps
 hearing the old words). The pacer models Twilio's buffer as a clock: `play_end` is when the audio
-sent so far will have finished playing if playback starts the moment a message arrives. It only
-releases a 20 ms message when that keeps the buffer at or under `max_queued_ms`.
+sent so far will have finished playing if playback starts the moment a message arrives. A 20 ms
+message goes out when Twilio's buffer has room under the *target* (the cushion + one message),
+never past `max_queued_s`: messages leave every 20 ms, not in 80 ms bursts.
 
-At the start of a stream (and after an underrun) one message of silence is sent first: the
-engine's 80 ms frames then arrive with 20 ms still queued, which absorbs that much scheduling
-jitter without gaps. Marks echoed by Twilio give a second, measured estimate of its buffer.
+When Twilio's buffer is empty (the call's start, or the engine fell behind) it is first refilled
+with a cushion of silence (40 ms by default): the engine's 80 ms frames may then come that much
+late without a gap in what the caller hears. Marks echoed by Twilio give a second, measured
+estimate of its buffer.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def percentile(values: list[float] | deque[float], q: float) -> float:
 class PlaybackClock:
     """Model of Twilio's playback buffer for our audio (monotonic seconds)."""
 
-    max_queued_s: float = 0.100
+    max_queued_s: float = 0.100  # hard limit of what Twilio may hold
+    target_s: float = 0.060  # send when the buffer will stay at or under this
     play_end: float = 0.0  # when everything sent so far has played out
     started: bool = False
     underruns: int = 0  # messages that arrived after the previous one had finished playing
@@ -44,11 +47,11 @@ class PlaybackClock:
         return max(0.0, self.play_end - now)
 
     def wait_before_send(self, now: float) -> float:
-        """Seconds to wait before one more 20 ms message fits under the limit."""
-        return max(0.0, self.queued(now) + CHUNK_S - self.max_queued_s)
+        """Seconds to wait before one more 20 ms message fits under the target."""
+        return max(0.0, self.queued(now) + CHUNK_S - min(self.target_s, self.max_queued_s))
 
     def needs_prime(self, now: float) -> bool:
-        """True when the buffer is empty: start (again) with a cushion of silence."""
+        """True when the buffer ran dry: start (again) with a cushion of silence."""
         return not self.started or now >= self.play_end
 
     def sent(self, now: float, duration_s: float = CHUNK_S) -> None:

@@ -1,0 +1,45 @@
+"""A phone call to the real engine (the tiny golden model on CPU) through `serve --twilio`.
+
+The caller speaks the golden user audio; the agent's audio must stream back for the whole call
+as Twilio expects it: one 20 ms `media` per 20 ms on average, never a gap over 100 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from support_server import running_server
+from support_twilio import RATE, TwilioSimulator
+
+from personaplex_voice.audio.io import read_audio
+from personaplex_voice.audio.resample import resample
+
+AUTH_TOKEN = "golden-test-auth-token"
+
+
+async def test_golden_model_call_streams_in_real_time(golden_dir) -> None:
+    user = resample(read_audio(golden_dir / "user.wav"), 24000, RATE)  # 5.6 s of the caller
+    env = {"TWILIO_AUTH_TOKEN": AUTH_TOKEN, "PUBLIC_URL": "", "TWILIO_ACCOUNT_SID": ""}
+    with running_server(
+        "--twilio", "--max-sessions", "1", engine="model", model=str(golden_dir), env=env
+    ) as server:
+        sim = TwilioSimulator(server.url, AUTH_TOKEN)
+        call_sid, url, params = await asyncio.to_thread(sim.answer)
+        async with sim.media_stream(url, params, call_sid=call_sid) as call:
+            for _ in range(500):  # the system prompt is prefilled before the agent speaks
+                if call.played or call.closed.is_set():
+                    break
+                await asyncio.sleep(0.02)
+            await call.play(user)
+            await call.play(np.zeros(RATE // 2, np.float32))
+            assert not call.closed.is_set(), f"the call ended early ({call.close_code})"
+        log = server.log()
+    arrivals = np.array([p.arrival for p in call.played])
+    assert len(arrivals) >= 0.9 * (len(user) / RATE + 0.5) / 0.020, f"only {len(arrivals)} media messages {log[-3000:]}"
+    gaps = np.diff(arrivals)
+    average = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+    assert 0.0195 <= average <= 0.0205, f"{average * 1000:.2f} ms per message"
+    assert gaps.max() <= 0.100, f"a {gaps.max() * 1000:.0f} ms gap in the agent's audio\n{log[-2000:]}"
+    heard = np.concatenate([np.frombuffer(p.payload, np.uint8) for p in call.played])
+    assert np.count_nonzero((heard & 0x7F) != 0x7F) > 0, "the agent sent only silence"
