@@ -52,15 +52,20 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
 
 
 def best_lag(reference: np.ndarray, test: np.ndarray, max_lag: int) -> tuple[int, float]:
-    """The lag (test behind reference, may be negative) maximising the normalised cross-correlation,
-    and that correlation."""
+    """The lag (test behind reference, may be negative) maximising the normalised cross-correlation
+    over the overlapping part, and that correlation. FFT-based: every lag at once."""
+    a, b = reference.astype(np.float64), test.astype(np.float64)
+    n = len(a) + len(b)
+    xc = np.fft.irfft(np.fft.rfft(b, n) * np.conj(np.fft.rfft(a, n)), n)  # xc[lag] = sum a[i] b[i+lag]
+    ca, cb = np.concatenate([[0.0], np.cumsum(a * a)]), np.concatenate([[0.0], np.cumsum(b * b)])
     best = (0, -2.0)
     for lag in range(-max_lag, max_lag + 1):
-        a = reference[max(0, -lag) :]
-        b = test[max(0, lag) :]
-        n = min(len(a), len(b))
-        a, b = a[:n].astype(np.float64), b[:n].astype(np.float64)
-        c = float(np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b) + 1e-30))
+        start_a, start_b = max(0, -lag), max(0, lag)
+        m = min(len(a) - start_a, len(b) - start_b)
+        if m <= 0:
+            continue
+        energy = (ca[start_a + m] - ca[start_a]) * (cb[start_b + m] - cb[start_b])
+        c = float(xc[lag % n] / np.sqrt(energy + 1e-30))
         if c > best[1]:
             best = (lag, c)
     return best
