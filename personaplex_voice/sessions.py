@@ -737,7 +737,14 @@ class SessionManager:
             self._want_input = True
             try:
                 while not self._stopping:
-                    late = [s for s in running if s._had_input and not s._input_ended and not s._has_frame()]
+                    late = [
+                        s
+                        for s in running
+                        if s._state is _State.RUNNING
+                        and s._had_input
+                        and not s._input_ended
+                        and not s._has_frame()
+                    ]
                     remaining = until - time.monotonic()
                     if not late or remaining <= 0:
                         return
