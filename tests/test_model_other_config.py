@@ -4,10 +4,6 @@ a busy batch gives exactly what the same persona gives alone. Also: loader error
 
 from __future__ import annotations
 
-import copy
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -17,75 +13,15 @@ from personaplex_voice.engine.base import FRAME_SIZE, Persona, PersonaError, Sam
 from personaplex_voice.engine.generator import PersonaPlexEngine
 from personaplex_voice.errors import UserError
 from personaplex_voice.model.config import ModelConfig
-from personaplex_voice.model.lm import LMModel
 from personaplex_voice.model.loaders import load_lm, load_mimi
-from personaplex_voice.model.mimi import Mimi
-from personaplex_voice.model.sources import ModelFiles
+from tests.support_engine import files_for, other_config, write_model_dir
 
 torch.set_num_threads(1)
 
 
-def other_config(golden_dir) -> ModelConfig:
-    raw = json.loads((golden_dir / "config.json").read_text())
-    cfg = copy.deepcopy(raw)
-    seanet = cfg["mimi"]["seanet"]
-    seanet.update(dimension=24, n_filters=2, n_residual_layers=2, ratios=[4, 8, 6, 5], true_skip=False)
-    cfg["mimi"]["quantizer"].update(dimension=8, n_q=10, input_dimension=24, output_dimension=24)
-    cfg["mimi"]["transformer"].update(
-        d_model=24,
-        num_heads=3,
-        num_layers=1,
-        dim_feedforward=40,
-        context=20,
-        input_dimension=24,
-        output_dimensions=[24],
-    )
-    cfg["lm"].update(
-        dim=48,
-        num_heads=3,
-        num_layers=3,
-        context=90,
-        depformer_dim=16,
-        depformer_num_heads=2,
-        depformer_num_layers=1,
-        depformer_dim_feedforward=64,
-    )
-    return ModelConfig.from_dict(cfg)
-
-
 @pytest.fixture(scope="module")
 def model_dir(golden_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("other_model")
-    cfg = other_config(golden_dir)
-    (root / "config.json").write_text(json.dumps(cfg.to_dict()))
-    torch.manual_seed(0)
-    mimi = Mimi(cfg)
-    with torch.no_grad():
-        for name, buf in mimi.named_buffers():
-            if name.endswith("embedding_sum"):
-                buf.normal_()
-    lm = LMModel(cfg.lm)
-    save_file({k: v.contiguous() for k, v in mimi.state_dict().items()}, str(root / "mimi.safetensors"))
-    lm_sd = {k: v.to(torch.bfloat16).contiguous() for k, v in lm.state_dict().items()}
-    save_file(lm_sd, str(root / "model.safetensors"))
-    shutil.copy(golden_dir / "tokenizer.model", root / "tokenizer.model")
-    (root / "voices").mkdir()
-    shutil.copy(golden_dir / "voices" / "TINYF0.wav", root / "voices" / "V0.wav")
-    shutil.copy(golden_dir / "voices" / "TINYF0.pt", root / "voices" / "OTHER.pt")
-    return root
-
-
-def files_for(root) -> ModelFiles:
-    cfg = ModelConfig.from_json(root / "config.json")
-    return ModelFiles(
-        name="other",
-        config=cfg,
-        lm_weights=root / "model.safetensors",
-        mimi_weights=root / "mimi.safetensors",
-        tokenizer=root / "tokenizer.model",
-        voice_dirs=(root / "voices",),
-        lm_dtype_in_file="bfloat16",
-    )
+    return write_model_dir(golden_dir, tmp_path_factory.mktemp("other_model"), other_config(golden_dir))
 
 
 def test_config_round_trips(golden_dir):
