@@ -1,10 +1,10 @@
 """Ogg-Opus as a live byte stream: the audio format of /api/chat (Moshi and PersonaPlex clients).
 
 The Opus codec is libopus through ``opuslib``. The Ogg framing around it (RFC 3533 pages, RFC 7845
-Opus mapping) is written here: it is ~200 lines, and no maintained Python library fits a live
-stream — the Ogg readers we know of (pyogg, soundfile/libsndfile, sphn) either want a whole file,
-hide CRC failures, or cannot take pages split across WebSocket messages and bound the memory a
-malicious sender can make us hold.
+Opus mapping) is written here because no maintained Python library fits a live stream: pyogg and
+soundfile/libsndfile read whole files, and sphn's stream reader (the closest fit) decodes pages
+without checking their CRC, ignores pre-skip and exposes neither the headers nor what it dropped.
+The framing is small: page parsing, lacing, a CRC, and two header formats.
 
 Reader policy, for a stream that arrives over a reliable transport (so damage means a buggy or
 hostile client, and the right answer is to tell that client, not to guess):
@@ -115,12 +115,13 @@ class OpusTags:
     comments: tuple[str, ...] = field(default_factory=tuple)
 
     def to_bytes(self) -> bytes:
-        def field(text: str) -> bytes:
+        def length_prefixed(text: str) -> bytes:
             raw = text.encode()
             return struct.pack("<I", len(raw)) + raw
 
         count = struct.pack("<I", len(self.comments))
-        return b"OpusTags" + field(self.vendor) + count + b"".join(field(c) for c in self.comments)
+        comments = b"".join(length_prefixed(c) for c in self.comments)
+        return b"OpusTags" + length_prefixed(self.vendor) + count + comments
 
     @classmethod
     def parse(cls, packet: bytes) -> OpusTags:

@@ -3,10 +3,10 @@
 Live audio (phone calls at 8 kHz, the engine at 24 kHz) goes through :class:`StreamingResampler`, a
 polyphase FIR whose prototype filter is designed here for *low delay*, not linear phase: a
 least-squares fit to ``gain * exp(-j w D)`` over the passband and to zero over the stopband, with
-``D`` (1.5 ms for the telephone band) far shorter than half the filter length. The phase stays
-linear to within a few microseconds of group delay over the passband, yet the filter holds audio back
-only ``D``, where a linear-phase filter of the same selectivity would hold it back ~5 ms and soxr's
-streaming mode 100+ ms (see docs/audio.md for the measurements behind this choice).
+``D`` (1.5 ms for the telephone band) far shorter than half the filter length (5.4 ms). The group
+delay stays within 0.15 ms of ``D`` over the passband, so the filter holds audio back only ``D``,
+where a linear-phase filter of similar rejection holds it back 3-5 ms and soxr's streaming modes
+22-85 ms (bench/transport.py --candidates; docs/audio.md explains the choice).
 
 Files go through :func:`resample` (soxr, very high quality, delay-compensated): there the delay does
 not matter and arbitrary rate pairs (44.1 kHz) do.
@@ -68,8 +68,12 @@ def design_lowdelay_lowpass(
     target = cos_integral(0.0, wp, lags - delay)
     w = np.linspace(wp, ws, 801)
     ramp = 0.5 + 0.5 * np.cos(np.pi * (w - wp) / (ws - wp))
-    target += _TRANSITION_WEIGHT * np.trapezoid(ramp * np.cos(np.outer(lags - delay, w)), w, axis=1)
-    return np.linalg.solve(gram, gain * target)
+    trapezoid = np.full(len(w), w[1] - w[0])  # quadrature weights (np.trapezoid needs numpy 2)
+    trapezoid[[0, -1]] /= 2
+    target += _TRANSITION_WEIGHT * (np.cos(np.outer(lags - delay, w)) @ (ramp * trapezoid))
+    taps = np.linalg.solve(gram, gain * target)
+    taps.setflags(write=False)  # cached and shared between resamplers
+    return taps
 
 
 class StreamingResampler:
