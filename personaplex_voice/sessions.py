@@ -489,13 +489,13 @@ class SessionManager:
 
     async def shutdown(self) -> None:
         """Close every session (reason "shutdown") and stop the inference thread."""
-        for session in self.sessions:
-            self._close(session, "shutdown")
         with self._cond:
-            self._stopping = self._shut_down = True
+            self._stopping = self._shut_down = True  # from here on, open() refuses
             self._cond.notify_all()
             thread = self._thread
             pool, self._prepare_pool = self._prepare_pool, None
+        for session in self.sessions:
+            self._close(session, "shutdown")
         if pool is not None:
             pool.shutdown(wait=False)
         if thread is not None:
