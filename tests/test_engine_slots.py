@@ -71,6 +71,6 @@ def test_long_call_ring_modes(small_context_dir):
     assert end == prompt_runs + full_at + 20 > context
     prompt_positions = set(range(prompt_runs))
     assert prompt_positions <= set(kept.lm_state["transformer:kpos"][0].tolist())
-    gone = set(range(end - context + 1))  # the oldest prompt positions have left the rolling ring
+    gone = set(range(end - context))  # the oldest prompt positions have left the rolling ring
     assert gone and gone < prompt_positions
     assert not gone & set(rolling.lm_state["transformer:kpos"][0].tolist())
