@@ -396,3 +396,15 @@ def test_packets_split_across_pages_and_grouped_in_pages(speech):
     reader = OggOpusReader()
     decoded = decode_all(reader, b"".join(pages[:head_page] + pages[head_page + 1 :]))
     assert reader.dropped == 1 and len(decoded) == len(expected) - 480
+
+
+@pytest.mark.parametrize(("write_rate", "read_rate"), [(24000, 48000), (48000, 24000), (16000, 8000)])
+def test_other_rates_decode_at_the_reader_rate(write_rate, read_rate):
+    t = np.arange(write_rate // 2) / write_rate
+    x = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    writer = OggOpusWriter(sample_rate=write_rate)
+    decoded = decode_all(OggOpusReader(sample_rate=read_rate), writer.write(x) + writer.flush())
+    assert len(decoded) == pytest.approx(len(x) * read_rate / write_rate, abs=2)
+    reference = resample(x, write_rate, read_rate)
+    lag, corr = best_lag(reference, decoded, 20)
+    assert corr > 0.95 and abs(lag) <= 2
