@@ -11,7 +11,9 @@ Measures:
   conversation.", 60 prompt steps);
 - `ready_ms_cached`: the same with the persona already in the persona cache (a restore).
 `ready_ms_*` include `engine.prepare` (voice load, prompt planning); `prefill_ms_*` and
-`restore_ms` are the engine part alone (the manager's prefill / restore histograms).
+`restore_ms` are the engine part alone (the manager's prefill / restore histograms);
+`manager_overhead_ms_64` is the manager's own CPU per tick (not `engine.step`) with 64
+LoopbackEngine sessions, consumers included.
 Targets: tick_ms["16"] <= 3 x tick_ms["1"], ready_ms_cached within one tick, parallel >= 10x
 faster than stepwise. The last line is one JSON object.
 """
@@ -87,6 +89,33 @@ async def ready_times(model: str, prefill: str, cached: bool, runs: int) -> tupl
         await manager.shutdown()
 
 
+async def manager_overhead_ms(slots: int, frames: int = 50) -> float:
+    """CPU ms per tick spent outside `engine.step` (scheduler, framing, frame hand-over to the
+    consumers' loop) with `slots` LoopbackEngine sessions: the manager's own cost per tick."""
+    from personaplex_voice.engine.loopback import LoopbackEngine
+
+    manager = SessionManager(LoopbackEngine(num_slots=slots), realtime=False, output_frames=frames + 8)
+    await manager.start()
+    try:
+        sessions = [await manager.open(Persona()) for _ in range(slots)]
+        for session in sessions:
+            await session.ready()
+
+        async def drain(session) -> None:
+            async for _ in session.frames():
+                pass
+
+        cpu0 = time.process_time()
+        for session in sessions:
+            session.push(np.zeros(frames * FRAME_SIZE, np.float32))
+            session.end_input()
+        await asyncio.gather(*(drain(s) for s in sessions))
+        cpu = time.process_time() - cpu0 - manager.metrics.tick_seconds.sum
+        return cpu / manager.metrics.ticks.value * 1000.0
+    finally:
+        await manager.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="../shared/golden")
@@ -106,6 +135,8 @@ def main() -> None:
     stepwise, prefill_stepwise = asyncio.run(
         ready_times(args.model, "stepwise", False, max(2, args.runs // 2))
     )
+    overhead = asyncio.run(manager_overhead_ms(64))
+    print(f"manager overhead per tick with 64 loopback sessions: {overhead:.2f} ms CPU")
     print(f"ready: cached {cached:.1f} ms, parallel {parallel:.1f} ms, stepwise {stepwise:.1f} ms")
     print(
         f"engine only: restore {restore_ms:.2f} ms, parallel prefill {prefill_parallel:.1f} ms, "
@@ -119,6 +150,7 @@ def main() -> None:
         "restore_ms": round(restore_ms, 3),
         "prefill_ms_parallel": round(prefill_parallel, 2),
         "prefill_ms_stepwise": round(prefill_stepwise, 2),
+        "manager_overhead_ms_64": round(overhead, 2),
     }
     if "1" in ticks:
         result["ratios"] = {
