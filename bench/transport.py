@@ -116,12 +116,8 @@ async def measure_pipecat(signal_8k: np.ndarray, repeats: int) -> dict:
     from pipecat.frames.frames import InputAudioRawFrame, OutputAudioRawFrame
     from pipecat.serializers.twilio import TwilioFrameSerializer
 
-    def serializer() -> TwilioFrameSerializer:
-        # Default parameters except the hang-up, which needs Twilio credentials and is not audio.
-        s = TwilioFrameSerializer("MZ-bench", params=TwilioFrameSerializer.InputParams(auto_hang_up=False))
-        return s
-
-    ser = serializer()
+    # Default parameters except the hang-up, which needs Twilio credentials and is not audio.
+    ser = TwilioFrameSerializer("MZ-bench", params=TwilioFrameSerializer.InputParams(auto_hang_up=False))
     await ser.setup(types.SimpleNamespace(audio_in_sample_rate=24000, audio_out_sample_rate=24000))
     ulaw = ulaw_encode(signal_8k)
     decoded_in = ulaw_decode(ulaw)
