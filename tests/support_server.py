@@ -152,8 +152,9 @@ class ChatResult:
     pcm_parts: list = field(default_factory=list)
     audio_messages: int = 0
     close_code: int | None = None
-    sent_samples: int = 0
-    # (seconds since the first audio was sent, total samples received so far) per audio message
+    sent_samples: int = 0  # of `audio` (the silent tail is not counted)
+    sent_done_at: float | None = None  # monotonic time the last chunk of `audio` was sent
+    # (monotonic time, total samples received so far) per audio message
     arrivals: list[tuple[float, int]] = field(default_factory=list)
 
     @property
@@ -162,6 +163,10 @@ class ChatResult:
 
         return np.concatenate(self.pcm_parts) if self.pcm_parts else np.zeros(0, np.float32)
 
+    def received_by(self, when: float) -> int:
+        """Samples of agent audio received up to monotonic time `when`."""
+        return max((n for t, n in self.arrivals if t <= when), default=0)
+
 
 async def chat(
     url: str,
@@ -169,13 +174,15 @@ async def chat(
     *,
     realtime: bool = True,
     tail_s: float = 1.0,
+    max_tail_s: float = 30.0,
     headers: Mapping[str, str] | None = None,
     origin: str | None = None,
-    handshake_timeout: float = 30.0,
+    handshake_timeout: float = 60.0,
 ) -> ChatResult:
     """Connect to `url` (ws://.../api/chat?...), wait for the handshake, stream `audio` (float32
-    24 kHz) in 80 ms chunks (paced in real time unless `realtime=False`), keep listening for
-    `tail_s`, then close. Returns everything the server sent."""
+    24 kHz) in 80 ms chunks (paced in real time unless `realtime=False`), then keep the microphone
+    open (silence) for `tail_s` and until the agent audio received covers what was sent (at most
+    `max_tail_s`: a loaded machine may run behind), then close. Returns what the server sent."""
     import asyncio
 
     import numpy as np
@@ -183,13 +190,15 @@ async def chat(
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
+    chunk = 1920
     result = ChatResult()
     reader = sphn.OpusStreamReader(24000)
     writer = sphn.OpusStreamWriter(24000)
     handshake = asyncio.Event()
-    started: list[float] = []
+    received = 0
 
     async def receive(ws) -> None:
+        nonlocal received
         try:
             async for message in ws:
                 if isinstance(message, str) or not message:
@@ -203,9 +212,8 @@ async def chat(
                     pcm = reader.append_bytes(payload)
                     if pcm is not None and len(pcm):
                         result.pcm_parts.append(np.asarray(pcm, np.float32))
-                    total = sum(len(p) for p in result.pcm_parts)
-                    elapsed = time.monotonic() - started[0] if started else 0.0
-                    result.arrivals.append((elapsed, total))
+                        received += len(pcm)
+                    result.arrivals.append((time.monotonic(), received))
                 elif kind == 0x02:
                     result.text.append(payload.decode("utf-8"))
                 elif kind == 0x04:
@@ -217,6 +225,27 @@ async def chat(
         finally:
             handshake.set()  # unblock the sender if the server closed first
 
+    async def speak(ws, samples, until) -> None:
+        """Send `samples` in paced chunks, then silence while `until()` is false."""
+        start = time.monotonic()
+        i = 0
+        while True:
+            piece = samples[i * chunk : (i + 1) * chunk]
+            if not len(piece):
+                if until():
+                    return
+                piece = np.zeros(chunk, np.float32)
+            else:
+                result.sent_samples += len(piece)
+            await ws.send(b"\x01" + writer.append_pcm(np.asarray(piece, np.float32)))
+            i += 1
+            if (i - 1) * chunk < len(samples) <= i * chunk:
+                result.sent_done_at = time.monotonic()
+            if realtime:
+                await asyncio.sleep(max(0.0, start + i * chunk / 24000 - time.monotonic()))
+            else:
+                await asyncio.sleep(0)
+
     async with connect(
         url, additional_headers=headers, origin=origin, compression=None, proxy=None, max_size=None
     ) as ws:
@@ -224,22 +253,22 @@ async def chat(
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(handshake.wait(), handshake_timeout)
         if result.handshake and audio is not None:
-            chunk = 1920
-            started.append(time.monotonic())
+            loop = asyncio.get_running_loop()
+            deadline: list[float] = []
+
+            def done() -> bool:
+                now = loop.time()
+                if not deadline:
+                    deadline.append(now)
+                waited = now - deadline[0]
+                covered = received >= result.sent_samples
+                return receiver.done() or (waited >= tail_s and covered) or waited >= max_tail_s
+
             with contextlib.suppress(ConnectionClosed):
-                for i, start in enumerate(range(0, len(audio), chunk)):
-                    piece = np.asarray(audio[start : start + chunk], np.float32)
-                    data = writer.append_pcm(piece)
-                    result.sent_samples += len(piece)
-                    if data:
-                        await ws.send(b"\x01" + data)
-                    if realtime:
-                        delay = started[0] + (i + 1) * chunk / 24000 - time.monotonic()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-        if result.handshake:
+                await speak(ws, np.asarray(audio, np.float32), done)
+        elif result.handshake:
             await asyncio.sleep(tail_s)
-            await ws.close()
+        await ws.close()
         await receiver
         result.close_code = ws.close_code
     return result

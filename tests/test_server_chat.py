@@ -34,15 +34,30 @@ def log_spectrogram(x: np.ndarray) -> np.ndarray:
     return np.log10(np.abs(z) + 1e-4)
 
 
-def echo_similarity(sent: np.ndarray, received: np.ndarray) -> float:
+def echo_similarity(sent: np.ndarray, received: np.ndarray, segment_s: float = 1.0) -> float:
     """Correlation of log-spectrograms once `received` is aligned on `sent` (two Opus passes keep
-    spectra, not waveforms)."""
+    spectra, not waveforms). Aligned per one-second segment around the overall delay, because a
+    real-time server that misses a tick on a loaded machine shifts the rest of the echo by a frame."""
     lag = int(np.argmax(correlate(received, sent, mode="full", method="fft"))) - (len(sent) - 1)
-    aligned = received[max(lag, 0) : max(lag, 0) + len(sent)]
-    n = min(len(aligned), len(sent))
-    if n < SR // 2:
-        return 0.0
-    return float(np.corrcoef(log_spectrogram(sent[:n]).ravel(), log_spectrogram(aligned[:n]).ravel())[0, 1])
+    seg = int(segment_s * SR)
+    scores, weights = [], []
+    for a in range(0, len(sent) - seg // 2, seg):
+        ref = sent[a : a + seg]
+        energy = float(np.mean(ref**2))
+        if energy < 1e-5:
+            continue  # silence says nothing about the echo
+        best = -1.0
+        for shift in range(-4 * 1920, 4 * 1920 + 1, 480):
+            b = a + lag + shift
+            if b < 0 or b + len(ref) > len(received):
+                continue
+            got = received[b : b + len(ref)]
+            best = max(
+                best, float(np.corrcoef(log_spectrogram(ref).ravel(), log_spectrogram(got).ravel())[0, 1])
+            )
+        scores.append(best)
+        weights.append(energy)
+    return float(np.average(scores, weights=weights)) if scores else 0.0
 
 
 def chat_url(server, **query: str) -> str:
@@ -78,8 +93,9 @@ def test_two_concurrent_clients_each_hear_their_own_audio(server, user_wav):
     a, b = asyncio.run(both())
     assert a.errors == [] and b.errors == []
     assert a.metadata[0]["session_id"] != b.metadata[0]["session_id"]
-    # Both served at once, in real time: each has its whole call back by the end of its 1 s tail
-    # (a server that serves one caller at a time would leave the other with nothing).
+    # Served at the same time: by the time one caller has said its 3 s, the other has already
+    # heard over a second of its echo (a server that serves one caller at a time gives it nothing).
+    assert b.received_by(a.sent_done_at) >= SR and a.received_by(b.sent_done_at) >= SR
     assert len(a.pcm) >= len(first) and len(b.pcm) >= len(second)
     assert echo_similarity(first, a.pcm) >= 0.8 and echo_similarity(second, b.pcm) >= 0.8
     # ... and no crosstalk: each echo matches its own input better than the other's.
