@@ -475,3 +475,16 @@ async def test_thousand_open_close_cycles_leave_nothing_behind(manager_factory):
     assert sum(snap["sessions_closed_total"].values()) == 1000
     assert snap["active_slots"] == 0 and snap["queued_sessions"] == 0
     assert snap["persona_cache_entries"] <= 5
+
+
+async def test_input_backlog_is_bounded_and_drops_the_oldest(manager_factory):
+    manager = manager_factory(LoopbackEngine(num_slots=1, delay_frames=0), max_input_s=3 * 0.08)
+    session = await manager.open(Persona())
+    await session.ready()
+    x = audio(5, seed=60)
+    session.push(x)  # 5 frames into a 3-frame backlog: the first 2 are dropped
+    session.end_input()
+    out = await collect(session)
+    assert session.stats["dropped_input_samples"] == 2 * FRAME_SIZE
+    assert manager.metrics.dropped_input_samples.value == 2 * FRAME_SIZE
+    np.testing.assert_array_equal(np.concatenate([f.pcm for f in out]), x[2 * FRAME_SIZE :])
