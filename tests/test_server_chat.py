@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from scipy.signal import correlate, stft
-from support_server import chat, running_server
+from support_server import chat, running_server, stop_server
 
 SR = 24000
 
@@ -227,3 +227,21 @@ def test_golden_model_call(golden_dir, user_wav):
     assert np.isfinite(result.pcm).all() and np.abs(result.pcm).max() > 1e-3  # it babbles, not silence
     pieces = [p for p in result.text if p.strip()]
     assert len(pieces) >= 5 and all("▁" not in p for p in pieces)  # SentencePiece spaces shown as spaces
+
+
+def test_shutdown_ends_calls_in_words():
+    """SIGTERM: each caller hears why (0x05) and gets a going-away close, not a bare reset."""
+    with running_server("--max-sessions", "2") as srv:
+
+        async def scenario():
+            call = asyncio.create_task(chat(chat_url(srv), np.zeros(5 * SR, np.float32)))
+            while not srv.log().count("opened"):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(stop_server, srv)
+            return await call
+
+        result = asyncio.run(scenario())
+        assert result.handshake
+        assert result.errors == ["the session ended on the server (shutdown)"]
+        assert result.close_code == 1001

@@ -80,6 +80,20 @@ def create_app(
     return app
 
 
+async def end_all_calls(app: FastAPI, timeout_s: float = 3.0) -> None:
+    """Before the server closes its sockets: end every session, so each caller gets a 0x05
+    "the session ended on the server (shutdown)" and a clean close rather than a bare 1012."""
+    manager = app.state.manager
+    if manager is None:
+        return
+    for session in manager.sessions:
+        await session.close(reason="shutdown")
+    open_connections = app.state.server_metrics.open_connections
+    deadline = time.monotonic() + timeout_s
+    while open_connections.value > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 def mount_twilio(app: FastAPI) -> None:
     from personaplex_voice.errors import UserError
 

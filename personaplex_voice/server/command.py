@@ -98,7 +98,18 @@ class RedactTokens(logging.Filter):
 def run_server(settings: ServerSettings) -> None:
     import uvicorn
 
-    from personaplex_voice.server.app import create_app
+    from personaplex_voice.server.app import create_app, end_all_calls
+
+    class _Server(uvicorn.Server):
+        """uvicorn closes WebSockets with a bare 1012 on shutdown; end the calls in words first."""
+
+        def __init__(self, config: uvicorn.Config, app: object):
+            super().__init__(config)
+            self._app = app
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            await end_all_calls(self._app)
+            await super().shutdown(sockets)
 
     ssl_files = settings.ssl_files()
     if ssl_files is not None:
@@ -136,7 +147,7 @@ def run_server(settings: ServerSettings) -> None:
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, app)
     logging.getLogger("personaplex_voice.server").info(
         "serving %s on %s://%s:%d/ (engine %s)",
         settings.model if settings.engine == "model" else "echo",
