@@ -81,7 +81,8 @@ class SimulatedCall:
     play_end: float = 0.0
     max_queued_s: float = 0.0
     marks_echoed: list[str] = field(default_factory=list)
-    pending_marks: list[tuple[float, str]] = field(default_factory=list)
+    pending_marks: list[tuple[str, asyncio.TimerHandle]] = field(default_factory=list)
+    _tasks: set[asyncio.Future[None]] = field(default_factory=set)
     clears: int = 0
     others: list[dict[str, Any]] = field(default_factory=list)  # anything else the server sent
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -164,13 +165,17 @@ class SimulatedCall:
         self.max_queued_s = max(self.max_queued_s, self.play_end - now - len(payload) / RATE)
         self.played.append(Played(now, start, payload, late))
 
-    async def _echo_marks(self) -> None:
-        while not self.closed.is_set():
-            now = time.monotonic()
-            while self.pending_marks and self.pending_marks[0][0] <= now:
-                _, name = self.pending_marks.pop(0)
-                await self._send_mark(name)
-            await asyncio.sleep(0.005)
+    def _schedule_mark(self, name: str) -> None:
+        """Echo `name` once everything received before it has played (a timer, not a poll)."""
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self.play_end - time.monotonic())
+        handle = loop.call_later(delay, self._mark_due, name)
+        self.pending_marks.append((name, handle))
+
+    def _mark_due(self, name: str) -> None:
+        self.pending_marks = [(n, h) for n, h in self.pending_marks if n != name]
+        self._tasks.add(task := asyncio.ensure_future(self._send_mark(name)))
+        task.add_done_callback(self._tasks.discard)
 
     async def _send_mark(self, name: str) -> None:
         self.marks_echoed.append(name)
@@ -194,15 +199,15 @@ class SimulatedCall:
                 elif event == "media":
                     self._on_media(base64.b64decode(message["media"]["payload"]))
                 elif event == "mark":
-                    due = max(time.monotonic(), self.play_end)
-                    self.pending_marks.append((due, message["mark"]["name"]))
+                    self._schedule_mark(message["mark"]["name"])
                 elif event == "clear":
                     self.clears += 1
                     now = time.monotonic()
                     self.play_end = min(self.play_end, now)
                     self.played = [p for p in self.played if p.start <= now]
                     pending, self.pending_marks = self.pending_marks, []
-                    for _, name in pending:
+                    for name, handle in pending:
+                        handle.cancel()
                         await self._send_mark(name)
                 else:
                     self.others.append(message)
@@ -308,7 +313,6 @@ class TwilioSimulator:
         ws = await connect(target, additional_headers=headers, compression=None, proxy=None, max_size=None)
         call = SimulatedCall(ws=ws, stream_sid=sid("MZ"), call_sid=call_sid or sid("CA"))
         receiver = asyncio.create_task(call.receive_loop())
-        marks = asyncio.create_task(call._echo_marks())
         try:
             await call.send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
             if send_start:
@@ -335,11 +339,11 @@ class TwilioSimulator:
                     await asyncio.wait_for(call.closed.wait(), 5.0)
             with contextlib.suppress(Exception):
                 await ws.close()
-            marks.cancel()
             receiver.cancel()
-            for task in (marks, receiver):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await receiver
+            for _, handle in call.pending_marks:
+                handle.cancel()
 
 
 def _ws(url: str) -> str:

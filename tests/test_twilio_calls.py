@@ -245,3 +245,14 @@ async def test_caller_hanging_up_ends_the_session_without_a_rest_call(harness: H
     record = next(c for c in calls_state(harness)["calls"] if c["call_sid"] == call_sid)
     assert [s["status"] for s in record["statuses"]][-1] == "completed"
     assert record["end_reason"] == "stop"
+
+
+async def test_a_silent_stream_hits_the_idle_limit_and_is_hung_up(harness: Harness) -> None:
+    harness.app.state.twilio.settings.idle_timeout_s = 0.5  # Twilio stopped sending anything
+    call_sid, url, params = await asyncio.to_thread(harness.sim.answer)
+    async with harness.sim.media_stream(url, params, call_sid=call_sid) as call:
+        await asyncio.wait_for(call.closed.wait(), 10)
+    assert harness.cloud.hangups() == [call_sid]
+    record = next(c for c in calls_state(harness)["calls"] if c["call_sid"] == call_sid)
+    assert record["end_reason"] == "idle timeout"
+    await wait_for(lambda: harness.manager.active_count == 0)

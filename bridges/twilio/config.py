@@ -37,7 +37,7 @@ class TwilioSettings(BaseSettings):
 
     # Per-call limits. The caller is told goodbye by a hang-up via the REST API.
     max_call_s: float = Field(900.0, gt=0)
-    idle_timeout_s: float = Field(20.0, gt=0)  # no message at all from Twilio for this long
+    idle_timeout_s: float = Field(20.0, gt=0)  # no `media` from Twilio (it sends silence too) this long
     ready_timeout_s: float = Field(15.0, gt=0)  # session admission + prompt prefill
     stream_connect_timeout_s: float = Field(20.0, gt=0)  # webhook answered -> `start` received
     # Outbound pacing: never let Twilio hold more than `max_queued_ms` of our audio; keep

@@ -114,6 +114,9 @@ class MediaStreamCall:
         self.started_at = monotonic()
         self._send_lock = asyncio.Lock()
         self._sender: asyncio.Task[None] | None = None
+        self._main: asyncio.Task[Any] | None = None
+        self._receiving = False
+        self._last_media = monotonic()  # Twilio sends caller audio every 20 ms, silence included
         self._opener: asyncio.Task[None] | None = None
         self._ended: CallEnded | None = None
         self._cushioned = False
@@ -128,6 +131,8 @@ class MediaStreamCall:
     # --- the receive loop ---------------------------------------------------------------
     async def run(self) -> None:
         reason, hang_up, close_code = "stop", False, CLOSE_NORMAL
+        self._main = asyncio.current_task()
+        watchdog = asyncio.create_task(self._watch_limits())
         try:
             await self._receive_loop()
         except ProtocolError as exc:
@@ -137,39 +142,45 @@ class MediaStreamCall:
             reason, hang_up = exc.reason, exc.hang_up
         except WebSocketDisconnect:
             reason = "socket closed"
+        except asyncio.CancelledError:
+            if self._ended is None:  # the server is shutting down: not ours to swallow
+                raise
+            uncancel = getattr(self._main, "uncancel", None)
+            if uncancel is not None:
+                uncancel()
+            reason, hang_up = self._ended.reason, self._ended.hang_up
         except Exception:
             log.exception("twilio %s: bridge failure", self.stream_sid)
             reason, hang_up, close_code = "bridge error", True, CLOSE_ERROR
         finally:
+            self._receiving = False
+            watchdog.cancel()
             await self._finish(reason, hang_up, close_code)
 
-    def _next_deadline(self) -> float:
-        idle = self.settings.idle_timeout_s if self.stream_sid else self.settings.stream_connect_timeout_s
-        left = self.started_at + self.settings.max_call_s - monotonic()
-        return min(idle, max(0.0, left))
+    async def _watch_limits(self) -> None:
+        """Ends the call past its limits: no caller audio for `idle_timeout_s` (or no `start` within
+        `stream_connect_timeout_s`), or `max_call_s` in all."""
+        while True:
+            now = monotonic()
+            idle_limit = (
+                self.settings.idle_timeout_s if self.stream_sid else self.settings.stream_connect_timeout_s
+            )
+            if now - self.started_at >= self.settings.max_call_s:
+                self._end("max duration", hang_up=True)
+                return
+            if now - self._last_media >= idle_limit:
+                self._end("idle timeout" if self.stream_sid else "no start message", hang_up=True)
+                return
+            await asyncio.sleep(min(0.5, idle_limit / 4))
 
     async def _receive_loop(self) -> None:
+        # One plain `receive` per message (no timer task each time): limits and a session that
+        # ends on the server interrupt it through `_end`.
+        self._receiving = True
         while True:
             if self._ended is not None:
                 raise self._ended
-            timeout = self._next_deadline()
-            receive = asyncio.ensure_future(self.ws.receive())
-            waiters: set[asyncio.Future[Any]] = {receive}
-            if self._sender is not None:
-                waiters.add(self._sender)
-            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if receive not in done:
-                receive.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await receive
-                if self._ended is not None:
-                    raise self._ended
-                if self._sender is not None and self._sender.done():
-                    continue  # the sender ended without a reason; loop sees _ended or keeps going
-                if monotonic() - self.started_at >= self.settings.max_call_s:
-                    raise CallEnded("max duration", hang_up=True)
-                raise CallEnded("idle timeout" if self.stream_sid else "no start message", hang_up=True)
-            raw = receive.result()
+            raw = await self.ws.receive()
             if raw["type"] == "websocket.disconnect":
                 raise WebSocketDisconnect(raw.get("code", CLOSE_NORMAL))
             message = parse_message(raw, self.settings.max_message_bytes)
@@ -221,6 +232,7 @@ class MediaStreamCall:
             raise ProtocolError("customParameters must be an object", CLOSE_INVALID_DATA)
         persona_name, persona = self.bridge.persona_for_stream(params, call_sid)
         self.stream_sid, self.call_sid = stream_sid, call_sid
+        self._last_media = monotonic()
         self.record = self.bridge.registry.status(call_sid, "stream-started", persona=persona_name)
         self.record.stream_sid = stream_sid
         self.bridge.registry.live[stream_sid] = self
@@ -245,8 +257,12 @@ class MediaStreamCall:
         self._sender = asyncio.create_task(self._send_loop())
 
     def _end(self, reason: str, hang_up: bool) -> None:
-        if self._ended is None:
-            self._ended = CallEnded(reason, hang_up)
+        """Ends the call for `reason`; from another task this interrupts the receive loop."""
+        if self._ended is not None:
+            return
+        self._ended = CallEnded(reason, hang_up)
+        if self._receiving and self._main is not None and asyncio.current_task() is not self._main:
+            self._main.cancel()
 
     def _on_media(self, media: dict[str, Any]) -> None:
         track = media.get("track", "inbound")
@@ -260,6 +276,7 @@ class MediaStreamCall:
         except (binascii.Error, ValueError):
             raise ProtocolError("`media` payload is not valid base64", CLOSE_INVALID_DATA) from None
         self.frames_in += 1
+        self._last_media = monotonic()
         chunk = media.get("chunk")
         if isinstance(chunk, str) and chunk.isdigit():
             number = int(chunk)

@@ -1,0 +1,281 @@
+"""Twilio bridge benchmark: concurrent phone calls on this machine, and the bridge's own delay.
+
+    .venv/bin/python bench/twilio_load.py --engine echo [--levels 10,25,50,100,150,200] [--seconds 5]
+
+1. Bridge delay: an impulse crosses the bridge's audio path in and out (μ-law 8 kHz -> 24 kHz
+   in 20 ms messages, then 80 ms engine frames -> 8 kHz μ-law), with the engine frame itself
+   taken out (an identity in between). The same signal goes through Pipecat's
+   `TwilioFrameSerializer` (deserialize, then serialize), its soxr streaming resamplers.
+2. Load: `personaplex-voice serve --engine echo --twilio` runs in its own process; simulated
+   Twilio calls (tests/support_twilio.py, in worker processes) ramp up level by level, each call
+   streaming real-time audio for `--seconds`. A level passes when no call heard a late frame
+   (Twilio's buffer of our audio ran dry mid-call). Outbound jitter: each message's arrival
+   against a perfect 20 ms clock, less the call's smallest offset (packet delay variation).
+
+Last line: {"max_calls_no_late_frames": …, "p99_outbound_jitter_ms": …, "bridge_delay_ms": …, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+AUTH_TOKEN = "bench-auth-token"
+API_TOKEN = "bench-api-token"
+RATE = 8000
+
+
+# --- 1. bridge delay --------------------------------------------------------------------------
+
+
+def impulse_8k(seconds: float = 1.0, at: int = 4000) -> np.ndarray:
+    x = np.zeros(round(seconds * RATE), np.float32)
+    x[at] = 0.5
+    return x
+
+
+def peak_position(y: np.ndarray) -> float:
+    """Sub-sample position of the largest |y| (parabolic interpolation)."""
+    k = int(np.argmax(np.abs(y)))
+    if 0 < k < len(y) - 1:
+        a, b, c = np.abs(y[k - 1 : k + 2]).astype(np.float64)
+        denom = a - 2 * b + c
+        if denom != 0:
+            return k + 0.5 * (a - c) / denom
+    return float(k)
+
+
+def ours_in_out(x: np.ndarray) -> tuple[np.ndarray, float]:
+    """Our audio path; returns (output at 8 kHz, samples held back at 8 kHz)."""
+    from personaplex_twilio.audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
+
+    from personaplex_voice.audio.framing import FrameBuffer
+    from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
+
+    data = ulaw_encode(x)
+    inbound, outbound, frames = InboundAudio(), OutboundAudio(), FrameBuffer(1920)
+    out: list[bytes] = []
+    made_24k = framed_24k = 0
+    for i in range(0, len(data), CHUNK_BYTES):
+        up = inbound.convert(data[i : i + CHUNK_BYTES])
+        made_24k += len(up)
+        frames.push(up)
+        while (frame := frames.pop()) is not None:  # the engine frame: an identity here
+            framed_24k += len(frame)
+            out += outbound.convert(frame)
+    y = ulaw_decode(b"".join(out))
+    held = (len(data) - made_24k / 3) + (framed_24k / 3 - len(y))
+    return y, held
+
+
+def pipecat_in_out(x: np.ndarray) -> tuple[np.ndarray, float]:
+    """Pipecat's TwilioFrameSerializer: deserialize each 20 ms message, serialize 80 ms frames."""
+    from pipecat.frames.frames import OutputAudioRawFrame
+    from pipecat.serializers.twilio import TwilioFrameSerializer
+
+    from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
+
+    async def run() -> tuple[np.ndarray, float]:
+        serializer = TwilioFrameSerializer(
+            "MZbench", params=TwilioFrameSerializer.InputParams(auto_hang_up=False, sample_rate=24000)
+        )
+        serializer._sample_rate = 24000  # what setup() sets from the pipeline's input rate
+        data = ulaw_encode(x)
+        pcm = b""
+        out: list[bytes] = []
+        made_24k = framed_24k = 0
+        for i in range(0, len(data), 160):
+            message = {"event": "media", "media": {"payload": base64.b64encode(data[i : i + 160]).decode()}}
+            frame = await serializer.deserialize(json.dumps(message))
+            if frame is not None:
+                pcm += frame.audio
+                made_24k += len(frame.audio) // 2
+            while len(pcm) >= 3840:  # one 80 ms engine frame of int16
+                piece, pcm = pcm[:3840], pcm[3840:]
+                framed_24k += 1920
+                answer = await serializer.serialize(OutputAudioRawFrame(piece, 24000, 1))
+                if answer:
+                    out.append(base64.b64decode(json.loads(answer)["media"]["payload"]))
+        y = ulaw_decode(b"".join(out))
+        return y, (len(data) - made_24k / 3) + (framed_24k / 3 - len(y))
+
+    return asyncio.run(run())
+
+
+def bridge_delays() -> dict[str, float]:
+    """Delay = where the impulse sits in the output stream + what each stage still holds back
+    (a stream resampler that emits fewer samples than it was fed plays everything that much
+    later). The engine's 80 ms framing is outside both: only whole frames cross."""
+    x = impulse_8k()
+    at = float(np.argmax(x))
+    result = {}
+    for name, path in (("bridge_delay_ms", ours_in_out), ("pipecat_serializer_delay_ms", pipecat_in_out)):
+        y, held = path(x)
+        result[name] = round(float(peak_position(y) - at + held) / RATE * 1000, 2)
+    return result
+
+
+# --- 2. load ------------------------------------------------------------------------------------
+
+
+def worker(base_url: str, calls: int, seconds: float, start_at: float, results: mp.Queue) -> None:
+    """One process of simulated calls: all of them speak from one shared 20 ms clock."""
+    from support_twilio import TwilioSimulator, tone
+
+    from personaplex_voice.audio.mulaw import ulaw_encode
+
+    async def main() -> list[dict]:
+        sim = TwilioSimulator(base_url, AUTH_TOKEN)
+        speech = ulaw_encode(np.concatenate([tone(440.0, 1.0, 0.3), np.zeros(RATE, np.float32)]))
+        answers = [await asyncio.to_thread(sim.answer) for _ in range(calls)]
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one_call(sim, a, speech)) for a in answers]
+        return [t.result() for t in tasks]
+
+    async def one_call(sim, answer, speech: bytes) -> dict:
+        call_sid, url, params = answer
+        async with sim.media_stream(url, params, call_sid=call_sid) as call:
+            t0 = time.monotonic()
+            n = 0
+            while (elapsed := time.monotonic() - t0) < seconds and not call.closed.is_set():
+                due = t0 + n * 0.020
+                if due > time.monotonic():
+                    await asyncio.sleep(due - time.monotonic())
+                i = (n * 160) % len(speech)
+                await call.send_media(speech[i : i + 160])
+                n += 1
+            del elapsed
+        arrivals = np.array([p.arrival for p in call.played])
+        # Late frames mid-call only: the first second is the call's start (prefill, priming).
+        late = sum(p.late for p in call.played if p.arrival - t0 > 1.0)
+        offsets = arrivals - 0.020 * np.arange(len(arrivals)) if len(arrivals) else np.zeros(0)
+        pdv = (offsets - offsets.min()) * 1000 if len(offsets) else offsets
+        gaps = np.diff(arrivals) * 1000 if len(arrivals) > 1 else np.zeros(0)
+        return {
+            "late": int(late),
+            "late_at_s": [round(p.arrival - t0, 2) for p in call.played if p.late][:5],
+            "messages": len(arrivals),
+            "pdv_ms": pdv.tolist(),
+            "jitter_ms": np.abs(gaps - 20.0).tolist(),
+            "closed_early": call.close_code is not None and call.close_code != 1000,
+        }
+
+    try:
+        results.put(asyncio.run(main()))
+    except Exception as exc:  # reported, not hidden: the level then fails
+        results.put([{"error": repr(exc)}])
+
+
+def run_level(base_url: str, calls: int, seconds: float, processes: int) -> dict:
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    per = [calls // processes + (i < calls % processes) for i in range(processes)]
+    start_at = time.time() + 2.0 + calls * 0.01  # every call answered before any speaks
+    procs = [ctx.Process(target=worker, args=(base_url, n, seconds, start_at, results)) for n in per if n > 0]
+    for p in procs:
+        p.start()
+    rows: list[dict] = []
+    for _ in procs:
+        rows += results.get(timeout=seconds + 120)
+    for p in procs:
+        p.join(timeout=30)
+    errors = [r["error"] for r in rows if "error" in r]
+    pdv = np.concatenate([np.asarray(r["pdv_ms"]) for r in rows if "pdv_ms" in r] or [np.zeros(1)])
+    jitter = np.concatenate([np.asarray(r["jitter_ms"]) for r in rows if "jitter_ms" in r] or [np.zeros(1)])
+    return {
+        "calls": calls,
+        "late_frames": int(sum(r.get("late", 0) for r in rows)),
+        "calls_with_late_frames": int(sum(r.get("late", 0) > 0 for r in rows)),
+        "closed_early": int(sum(r.get("closed_early", False) for r in rows)),
+        "p99_outbound_jitter_ms": round(float(np.percentile(jitter, 99)), 2),
+        "p99_outbound_delay_variation_ms": round(float(np.percentile(pdv, 99)), 2),
+        "late_at_s": [r["late_at_s"] for r in rows if r.get("late")][:3],
+        "errors": errors[:3],
+    }
+
+
+def wait_idle(base_url: str, timeout: float = 30.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = httpx.get(base_url + "/twilio/calls", headers={"Authorization": f"Bearer {API_TOKEN}"}).json()
+        if state["active_sessions"] == 0 and state["reserved"] == 0:
+            return
+        time.sleep(0.2)
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engine", default="echo", choices=["echo"])
+    parser.add_argument("--levels", default="10,25,50,100,150,200")
+    parser.add_argument("--seconds", type=float, default=5.0, help="call length at each level")
+    parser.add_argument("--processes", type=int, default=2, help="simulator processes")
+    args = parser.parse_args()
+    levels = [int(v) for v in args.levels.split(",")]
+
+    delays = bridge_delays()
+    ours, theirs = delays["bridge_delay_ms"], delays["pipecat_serializer_delay_ms"]
+    print(f"bridge delay (ms): ours {ours}, pipecat's TwilioFrameSerializer {theirs}")
+
+    from support_server import running_server
+
+    env = {
+        "TWILIO_AUTH_TOKEN": AUTH_TOKEN,
+        "TWILIO_ACCOUNT_SID": "",
+        "PUBLIC_URL": "",
+        "PERSONAPLEX_TWILIO_API_TOKEN": API_TOKEN,
+        "PERSONAPLEX_LOG_LEVEL": "warning",
+    }
+    best, best_jitter, rows = 0, None, []
+    with running_server(
+        "--twilio", "--max-sessions", str(max(levels)), "--log-level", "warning", env=env
+    ) as server:
+        for calls in levels:
+            row = run_level(server.url, calls, args.seconds, args.processes)
+            rows.append(row)
+            print(json.dumps(row))
+            wait_idle(server.url)
+            if row["late_frames"] or row["closed_early"] or row["errors"]:
+                break
+            best, best_jitter = calls, row["p99_outbound_jitter_ms"]
+    if best_jitter is None:
+        best_jitter = rows[0]["p99_outbound_jitter_ms"] if rows else None
+    summary = {
+        "max_calls_no_late_frames": best,
+        "p99_outbound_jitter_ms": best_jitter,
+        "bridge_delay_ms": delays["bridge_delay_ms"],
+        "pipecat_serializer_delay_ms": delays["pipecat_serializer_delay_ms"],
+        "bridge_delay_ratio_vs_pipecat": round(
+            delays["bridge_delay_ms"] / delays["pipecat_serializer_delay_ms"], 3
+        )
+        if delays["pipecat_serializer_delay_ms"]
+        else None,
+        "levels_tried": [r["calls"] for r in rows],
+        "seconds_per_level": args.seconds,
+        "cpu_count": os.cpu_count(),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
