@@ -45,6 +45,17 @@ DtypeOpt = Annotated[
     typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."),
 ]
 
+ThreadsOpt = Annotated[
+    int,
+    typer.Option(
+        "--threads",
+        help="CPU threads for torch; 0 = auto (1 for tiny models like demo, torch's default otherwise).",
+    ),
+]
+# Below this LM width a model's matrices are too small to split between threads: more threads
+# only add synchronisation (and, on a busy machine, spinning), so auto uses one.
+TINY_LM_DIM = 1024
+
 
 def source_overrides(
     moshi_weight: Path | None = None,
@@ -71,3 +82,18 @@ def parse_dtype(name: str | None) -> Any:
     if name not in table:
         raise UserError(f"--dtype {name}: choose one of auto, {', '.join(table)}")
     return table[name]
+
+
+def configure_threads(threads: int, engine: Any, device: str) -> None:
+    """Apply `--threads` once the engine (and so the model size) is known."""
+    import torch
+
+    if threads < 0:
+        raise UserError(f"--threads {threads}: must be 0 (auto) or more")
+    if threads > 0:
+        torch.set_num_threads(threads)
+        return
+    cfg = getattr(engine, "cfg", None)
+    dim = getattr(getattr(cfg, "lm", None), "dim", None)
+    if device.startswith("cpu") and dim is not None and dim < TINY_LM_DIM:
+        torch.set_num_threads(1)

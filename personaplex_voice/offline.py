@@ -27,8 +27,10 @@ from personaplex_voice.cli_options import (
     MimiWeightOpt,
     ModelOpt,
     MoshiWeightOpt,
+    ThreadsOpt,
     TokenizerOpt,
     VoiceDirOpt,
+    configure_threads,
     parse_dtype,
     source_overrides,
 )
@@ -160,6 +162,7 @@ def offline(
     topk_text: Annotated[int, typer.Option("--topk-text", help="Text top-k.")] = 25,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = 0,
     moshi_weight: MoshiWeightOpt = None,
     mimi_weight: MimiWeightOpt = None,
     tokenizer: TokenizerOpt = None,
@@ -187,6 +190,7 @@ def offline(
         dtype=parse_dtype(dtype),
         **source_overrides(moshi_weight, mimi_weight, tokenizer, voice_dir),
     )
+    configure_threads(threads, engine, device)
     n_frames = math.ceil(user_pcm.shape[0] / FRAME_SIZE)
     with _progress(n_frames) as advance:
         pcm, pieces = run_offline(engine, persona, user_pcm, on_frame=advance)

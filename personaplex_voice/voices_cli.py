@@ -20,8 +20,10 @@ from personaplex_voice.cli_options import (
     MimiWeightOpt,
     ModelOpt,
     MoshiWeightOpt,
+    ThreadsOpt,
     TokenizerOpt,
     VoiceDirOpt,
+    configure_threads,
     parse_dtype,
     source_overrides,
 )
@@ -61,6 +63,7 @@ def make_voice(
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = 0,
     moshi_weight: MoshiWeightOpt = None,
     mimi_weight: MimiWeightOpt = None,
     tokenizer: TokenizerOpt = None,
@@ -86,6 +89,7 @@ def make_voice(
         dtype=parse_dtype(dtype),
         **source_overrides(moshi_weight, mimi_weight, tokenizer),
     )
+    configure_threads(threads, engine, device)
     voice = engine.make_voice(pcm, normalized=True)  # type: ignore[attr-defined]  # PersonaPlexEngine only
     try:
         torch.save(voice, out)
