@@ -128,6 +128,7 @@ async def run_call(
     audio: np.ndarray,
     in_rate: int,
     *,
+    channels: int = 1,
     out_rate: int = 24000,
     end: str = "end",
     feed_s: float | None = None,
@@ -135,15 +136,17 @@ async def run_call(
     ready_timeout_s: float = 20.0,
     tail_s: float = 0.5,
     during: Callable[[CallResult], Awaitable[None]] | None = None,
+    while_feeding: Callable[[], Awaitable[None]] | None = None,
     enable_metrics: bool = False,
 ) -> CallResult:
     """Run one call through a real pipeline.
 
+    `audio` is interleaved when `channels` > 1.
     `wait_ready`: polled before feeding (e.g. "the service has a session") so that the whole
     input reaches the model. `feed_s`: stop feeding after this much audio (mid-call end).
     `end`: "end" queues an EndFrame after `tail_s`, "cancel" cancels the worker, "none" lets an
     error end it (the worker is cancelled after `ready_timeout_s`). `during` runs after feeding,
-    before the end (to look at the live state).
+    before the end (to look at the live state); `while_feeding` runs alongside the feeding.
     """
     up = Recorder(FrameDirection.UPSTREAM, name="up-recorder")
     down = Recorder(FrameDirection.DOWNSTREAM, name="down-recorder")
@@ -176,7 +179,10 @@ async def run_call(
                 if time.monotonic() > deadline or result.errors:
                     break
                 await asyncio.sleep(0.01)
-        await _feed(worker, audio, in_rate, feed_s, result)
+        side = asyncio.create_task(while_feeding()) if while_feeding is not None else None
+        await _feed(worker, audio, in_rate, channels, feed_s, result)
+        if side is not None:
+            await side
         if during is not None:
             await during(result)
         if end == "end":
@@ -194,19 +200,24 @@ async def run_call(
 
 
 async def _feed(
-    worker: PipelineWorker, audio: np.ndarray, rate: int, feed_s: float | None, result: CallResult
+    worker: PipelineWorker,
+    audio: np.ndarray,
+    rate: int,
+    channels: int,
+    feed_s: float | None,
+    result: CallResult,
 ):
-    chunk = round(rate * CHUNK_S)
-    total = len(audio) if feed_s is None else min(len(audio), round(feed_s * rate))
+    chunk = round(rate * CHUNK_S) * channels
+    total = len(audio) if feed_s is None else min(len(audio), round(feed_s * rate) * channels)
     t0 = time.monotonic()
     result.started_at = t0
     for i, start in enumerate(range(0, total, chunk)):
-        piece = audio[start : start + chunk]
-        await worker.queue_frame(InputAudioRawFrame(audio=to_pcm16(piece), sample_rate=rate, num_channels=1))
+        piece = to_pcm16(audio[start : start + chunk])
+        await worker.queue_frame(InputAudioRawFrame(audio=piece, sample_rate=rate, num_channels=channels))
         delay = t0 + (i + 1) * CHUNK_S - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-    result.input_s = total / rate
+    result.input_s = total / (rate * channels)
 
 
 def aligned_logspec_correlation(
@@ -228,3 +239,13 @@ def aligned_logspec_correlation(
         return np.log10(np.abs(z) + 1e-4)
 
     return float(np.corrcoef(logspec(a).ravel(), logspec(b).ravel())[0, 1]), lag / rate
+
+
+def tone_fraction(x: np.ndarray, freq: float, rate: int, width_hz: float = 40.0) -> float:
+    """Share of the signal's energy within `width_hz` of `freq` (Welch spectrum). A clean tone is
+    near 1; a few clicks from dropped or late frames lower it only a little, noise or the wrong
+    signal brings it near 0."""
+    from scipy.signal import welch
+
+    f, p = welch(x, fs=rate, nperseg=min(len(x), 2048))
+    return float(p[np.abs(f - freq) <= width_hz].sum() / max(p.sum(), 1e-20))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from personaplex_pipecat import InProcessBackend, PersonaPlexLLMService
 from pipecat.frames.frames import (
+    InterruptionFrame,
     LLMTextFrame,
     MetricsFrame,
     TTSAudioRawFrame,
@@ -20,7 +21,7 @@ from pipecat.frames.frames import (
 )
 from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
 from pipecat.utils.errors import ErrorCategory
-from support_pipecat import aligned_logspec_correlation, run_call
+from support_pipecat import aligned_logspec_correlation, run_call, tone_fraction
 
 from personaplex_voice.audio.io import read_audio
 from personaplex_voice.engine.base import Sampling
@@ -56,7 +57,10 @@ def utterances_well_formed(sequence: list[str]) -> bool:
 async def test_echo_call_frames_text_and_metrics(user_16k) -> None:
     engine = LoopbackEngine(num_slots=1, text_pieces=ECHO_TEXT)
     manager = SessionManager(engine)
-    service = PersonaPlexLLMService(manager=manager, text_prompt="You are an echo.")
+    # Nothing plays the output here, so the playout gate is off: on a loaded CI machine a starved
+    # event loop delivers frames in bursts, which the gate would (rightly) drop. The gate has its
+    # own tests (test_pipecat_pacing.py) and runs in the Twilio example test.
+    service = PersonaPlexLLMService(manager=manager, text_prompt="You are an echo.", max_audio_ahead_s=None)
     try:
         result = await run_call(
             service,
@@ -86,7 +90,7 @@ async def test_echo_call_frames_text_and_metrics(user_16k) -> None:
     data = [d for f in result.of(MetricsFrame) for d in f.data]
     assert any(isinstance(d, TTFBMetricsData) and d.value > 0 for d in data)
     assert any(isinstance(d, ProcessingMetricsData) and d.value > 0 for d in data)
-    assert service.stats["frames_dropped"] <= 2
+    assert service.stats["frames_dropped"] == 0
 
 
 async def test_golden_model_call(golden_dir, user_16k) -> None:
@@ -238,3 +242,47 @@ async def test_lost_session_is_reopened(user_16k) -> None:
         await manager.shutdown()
     assert result.errors == []
     assert service.stats["sessions"] == 2
+
+
+async def test_any_input_rate_and_channels_and_an_owned_backend() -> None:
+    """44.1 kHz stereo in (Pipecat's soxr fallback), 48 kHz out; `model=` builds and owns its backend."""
+    service = PersonaPlexLLMService(model="demo", engine_options={"engine_kind": "echo"})
+    t = np.arange(round(1.2 * 44100)) / 44100
+    left = 0.3 * np.sin(2 * np.pi * 500.0 * t)
+    stereo = np.stack([left, left], axis=1).reshape(-1).astype(np.float32)  # interleaved L R
+    result = await run_call(
+        service, stereo, 44100, channels=2, out_rate=48000, wait_ready=lambda: service.session is not None
+    )
+    assert result.errors == []
+    assert {f.sample_rate for f in result.audio_frames} == {48000}
+    out = result.agent_timeline()
+    block = 960
+    rms = np.sqrt(np.mean(out[: len(out) // block * block].reshape(-1, block) ** 2, axis=1))
+    loud = np.flatnonzero(rms > 0.1)
+    echoed = out[loud[0] * block : (loud[-1] + 1) * block]
+    assert 1.0 <= len(echoed) / 48000 <= 1.4
+    assert tone_fraction(echoed, 500.0, 48000) > 0.9
+    assert service.backend.manager is None  # the service shut down the manager it built
+
+
+async def test_interruption_closes_the_utterance_and_speech_resumes() -> None:
+    """An InterruptionFrame mid-speech ends the utterance; the model keeps talking, so a new one starts."""
+    manager = SessionManager(LoopbackEngine(num_slots=1))
+    service = PersonaPlexLLMService(manager=manager)
+    t = np.arange(round(2.0 * 16000)) / 16000
+    loud = (0.3 * np.sin(2 * np.pi * 300.0 * t)).astype(np.float32)
+
+    async def interrupt() -> None:
+        await asyncio.sleep(1.0)
+        await service.queue_frame(InterruptionFrame())
+
+    try:
+        result = await run_call(
+            service, loud, 16000, while_feeding=interrupt, wait_ready=lambda: service.session is not None
+        )
+    finally:
+        await manager.shutdown()
+    assert result.errors == []
+    sequence = result.sequence()
+    assert utterances_well_formed(sequence)
+    assert sequence.count("TTSStartedFrame") == 2, sequence  # continuous speech, cut once

@@ -59,7 +59,9 @@ def service_for(server: ServerProcess, **kwargs) -> PersonaPlexLLMService:
 
 
 async def test_echoed_audio_matches_the_input(server, user_16k) -> None:
-    service = service_for(server, text_prompt="Repeat after me.")
+    service = service_for(
+        server, text_prompt="Repeat after me.", max_audio_ahead_s=None
+    )  # see in-process test
     result = await run_call(
         service, user_16k, 16000, out_rate=16000, wait_ready=lambda: service.session is not None
     )
@@ -103,7 +105,8 @@ async def test_end_or_cancel_mid_call_closes_the_socket(server, user_16k, end) -
 
 async def test_refused_when_the_server_is_full(server, user_16k) -> None:
     url = ChatParams().url(server.ws_url + "/api/chat", token=API_KEY)
-    async with connect(url) as other:  # another caller holds the only slot
+    # another caller holds the only slot (it buffers what it does not read, so it closes promptly)
+    async with connect(url, max_queue=None) as other:
         while (await other.recv())[0] != Kind.HANDSHAKE:
             pass
         service = service_for(server)
