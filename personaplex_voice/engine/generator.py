@@ -161,6 +161,7 @@ class PersonaPlexEngine:
         self._started = [False] * num_slots
         self.last_text_logits: np.ndarray | None = None
         self.last_audio_logits: np.ndarray | None = None
+        self._text_logits_dev: torch.Tensor | None = None
         self.last_tokens: np.ndarray | None = None  # [B, dep_q + 1] output rows of the last step
         self._audio_logits_buf = (
             torch.zeros(num_slots, self.dep_q, lm_cfg.card, device=self.device) if capture_logits else None
@@ -346,7 +347,8 @@ class PersonaPlexEngine:
             if replaying:
                 assert plan.replay is not None
                 override[slot] = plan.replay[i - 1].to(self.device, self.dtype)
-            self._lm_step(active, active_list, override if replaying else None)
+            sampling = self.sampler.draw_noise(active_list)
+            self._lm_step(active, sampling, override if replaying else None)
             if replaying and i == n_replay:
                 assert plan.after_replay is not None
                 self.ring.cache[slot] = plan.after_replay.to(self.device)
@@ -384,15 +386,19 @@ class PersonaPlexEngine:
     # ---------------------------------------------------------------- the tick
 
     def _lm_step(
-        self, active: torch.Tensor | None, active_list: list[bool], override: torch.Tensor | None = None
+        self, active: torch.Tensor | None, sampling: bool, override: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Model run on the ring's current column for every slot; returns the output rows."""
+        """Model run on the ring's current column for every slot; returns the output rows.
+
+        No host synchronisation and no data-dependent Python branches: CUDA graphs capture it.
+        `sampling` False skips the sampling math (every active slot greedy); the noise of sampling
+        slots must have been drawn (`sampler.draw_noise`) before.
+        """
         inp, target, provided = self.ring.model_io()
         emb = self.lm.embed_codes(inp[:, :, None])
         if override is not None and active is not None:
             emb = torch.where(active[:, None, None], override[:, None].to(emb.dtype), emb)
         hidden, text_logits = self._lm_forward(emb, StepContext(self.lm_state, active))
-        sampling = self.sampler.draw_noise(active_list)
         text_logits = text_logits[:, 0].float()
         text = self.sampler.text(text_logits, sampling)
         next_text = torch.where(provided[:, 0], target[:, 0], text)
@@ -406,10 +412,14 @@ class PersonaPlexEngine:
             self._audio_logits_buf,
         )
         if self.capture_logits:
-            assert self._audio_logits_buf is not None
-            self.last_text_logits = text_logits.cpu().numpy().copy()
-            self.last_audio_logits = self._audio_logits_buf.cpu().numpy().copy()
+            self._text_logits_dev = text_logits
         return self.ring.commit(text, audio, provided, active)
+
+    def _publish_logits(self) -> None:
+        if self.capture_logits:
+            assert self._audio_logits_buf is not None and self._text_logits_dev is not None
+            self.last_text_logits = self._text_logits_dev.cpu().numpy().copy()
+            self.last_audio_logits = self._audio_logits_buf.cpu().numpy().copy()
 
     @torch.no_grad()
     def step(self, pcm: np.ndarray, active: np.ndarray) -> StepOutput:
@@ -420,14 +430,17 @@ class PersonaPlexEngine:
                 raise EngineError(f"slot {slot} is active but was never started")
         if not active_np.any():
             return StepOutput(pcm=np.zeros((B, FRAME_SIZE), np.float32), text=[None] * B)
+        pcm = np.ascontiguousarray(pcm, dtype=np.float32).reshape(B, FRAME_SIZE)
+        sampling = self.sampler.draw_noise(active_np.tolist())
         if self._graphs is not None:
             out, pcm_out = self._graphs.run(pcm, active_np)
         else:
             out, pcm_out = self._step_tensors(
-                torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)).to(self.device),
+                torch.from_numpy(pcm).to(self.device),
                 None if active_np.all() else torch.from_numpy(active_np).to(self.device),
-                active_np.tolist(),
+                sampling,
             )
+        self._publish_logits()
         tokens = out.cpu().numpy()
         self.last_tokens = tokens
         text = [self.tokenizer.display_piece(int(tokens[b, 0])) if active_np[b] else None for b in range(B)]
@@ -439,7 +452,7 @@ class PersonaPlexEngine:
         )
 
     def _step_tensors(
-        self, pcm: torch.Tensor, active: torch.Tensor | None, active_list: list[bool]
+        self, pcm: torch.Tensor, active: torch.Tensor | None, sampling: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batched tick on device tensors: pcm [B, FRAME] -> (output rows [B, dq+1], pcm [B, FRAME])."""
         B = self.num_slots
@@ -450,7 +463,7 @@ class PersonaPlexEngine:
         given = torch.zeros(B, self.K, dtype=torch.bool, device=self.device)
         given[:, 1 + self.n_audio :] = True
         self.ring.write_given(values, given, active)
-        out = self._lm_step(active, active_list)
+        out = self._lm_step(active, sampling)
         pcm_out = self.mimi.decode(out[:, 1 : 1 + self.n_audio, None], mimi_ctx)
         return out, pcm_out[:, 0]
 

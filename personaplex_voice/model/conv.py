@@ -64,7 +64,7 @@ class StreamingConv1d(StreamingModule):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if self.padding <= 0:
-            return self.conv.conv(x)
+            return self.conv.conv.forward(x)
         buf = self.st(ctx, "buf")
         head = buf
         if self.pad_mode == "replicate":
@@ -73,7 +73,7 @@ class StreamingConv1d(StreamingModule):
             commit(fresh, torch.zeros_like(fresh), ctx.active)
         xx = torch.cat([head, x], dim=-1)
         commit(buf, xx[..., xx.shape[-1] - self.padding :], ctx.active)
-        return self.conv.conv(xx)
+        return self.conv.conv.forward(xx)
 
 
 class StreamingConvTranspose1d(StreamingModule):
@@ -104,7 +104,7 @@ class StreamingConvTranspose1d(StreamingModule):
         return {"partial": partial}
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        y = self.convtr.convtr(x)
+        y = self.convtr.convtr.forward(x)
         if self.overlap <= 0:
             return y
         partial = self.st(ctx, "partial")

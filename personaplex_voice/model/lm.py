@@ -82,23 +82,54 @@ class Depformer(nn.Module):
             [_DepformerLayer(cfg, num_weights, ff) for _ in range(cfg.depformer_num_layers)]
         )
 
+    def _step_weights(self, device: torch.device) -> list[list[tuple]]:
+        """Per step, per layer: the weights the step uses (views built once, not per tick)."""
+        w0 = self.layers[0].self_attn.in_proj_weight
+        key = (w0.data_ptr(), w0.dtype, w0.device)
+        if getattr(self, "_weights_key", None) != key:
+            table = []
+            for step in range(self.steps):
+                w = step if self.per_step else 0
+                rows = []
+                for layer in self.layers:
+                    attn = layer.self_attn
+                    gating = layer.gating[w] if self.per_step else layer.gating
+                    rows.append(
+                        (
+                            layer.norm1,
+                            attn.in_proj_weight.view(-1, 3 * self.dim, self.dim)[w],
+                            attn.out_proj.weight.view(-1, self.dim, self.dim)[w],
+                            None if isinstance(layer.layer_scale_1, nn.Identity) else layer.layer_scale_1,
+                            layer.norm2,
+                            gating.linear_in.weight,
+                            gating.linear_out.weight,
+                            gating.activation,
+                            None if isinstance(layer.layer_scale_2, nn.Identity) else layer.layer_scale_2,
+                        )
+                    )
+                table.append(rows)
+            self._weights = table
+            # As in the published ring KV cache (capacity = steps), a full ring masks its oldest
+            # entry: the last step does not attend to the first.
+            index = torch.arange(self.steps, device=device)
+            self._masks = [
+                ((index >= max(0, s + 2 - self.steps)) & (index <= s)).view(1, self.steps)
+                for s in range(self.steps)
+            ]
+            self._weights_key = key
+        return self._weights
+
     def forward_step(
         self, x: torch.Tensor, step: int, keys: list[torch.Tensor], values: list[torch.Tensor]
     ) -> torch.Tensor:
         """One depformer step for every slot. x [B, dim]; keys/values: per-layer caches [B, H, steps, D]."""
         B = x.shape[0]
         H, D = self.num_heads, self.dim // self.num_heads
-        w = step if self.per_step else 0
+        weights = self._step_weights(x.device)[step]
+        mask = self._masks[step]
         h = x[:, None]
-        # As in the published ring KV cache (capacity = steps), a full ring masks its oldest
-        # entry: the last step does not attend to the first.
-        first = max(0, step + 2 - self.steps)
-        index = torch.arange(self.steps, device=x.device)
-        mask = ((index >= first) & (index <= step)).view(1, self.steps)
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            y = layer.norm1(h)
-            w_in = attn.in_proj_weight.view(-1, 3 * self.dim, self.dim)[w]
+        for li, (norm1, w_in, w_out, ls1, norm2, g_in, g_out, act, ls2) in enumerate(weights):
+            y = norm1.forward(h)
             q, k, v = F.linear(y[:, 0], w_in).view(B, 3, H, 1, D).unbind(1)
             if self.rope_period is not None:
                 pos = torch.full((B, 1), step, device=x.device, dtype=torch.long)
@@ -106,11 +137,12 @@ class Depformer(nn.Module):
             keys[li][:, :, step : step + 1] = k
             values[li][:, :, step : step + 1] = v
             out = F.scaled_dot_product_attention(q, keys[li], values[li], mask)
-            w_out = attn.out_proj.weight.view(-1, self.dim, self.dim)[w]
             out = F.linear(out.reshape(B, self.dim), w_out)[:, None]
-            h = h + layer.layer_scale_1(out)
-            gating = layer.gating[w] if self.per_step else layer.gating
-            h = h + layer.layer_scale_2(gating(layer.norm2(h)))
+            h = h + (out if ls1 is None else ls1.forward(out))
+            g = F.linear(norm2.forward(h), g_in)
+            g = g.view(*g.shape[:-1], 2, -1)
+            g = F.linear(act(g[..., 0, :]) * g[..., 1, :], g_out)
+            h = h + (g if ls2 is None else ls2.forward(g))
         return h[:, 0]
 
     def new_caches(
@@ -217,11 +249,11 @@ class LMModel(nn.Module):
         sampled = []
         multi = len(self.depformer_in) > 1
         for cb in range(self.dep_q):
-            x = self.depformer_in[cb if multi else 0](hidden)
+            x = F.linear(hidden, self.depformer_in[cb if multi else 0].weight)
             emb = self.depformer_text_emb if cb == 0 else self.depformer_emb[cb - 1]
-            x = x + emb(prev)
+            x = x + F.embedding(prev, emb.weight)
             out = self.depformer.forward_step(x, cb, keys, values)
-            logits = self.linears[cb](out).float()
+            logits = F.linear(out, self.linears[cb].weight).float()
             if logits_out is not None:
                 logits_out[:, cb] = logits
             token = sample(logits, cb)

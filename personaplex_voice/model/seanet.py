@@ -18,9 +18,9 @@ from personaplex_voice.model.streaming import StepContext
 def _run(modules: nn.ModuleList, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     for module in modules:
         if isinstance(module, (StreamingConv1d, StreamingConvTranspose1d, SEANetResnetBlock)):
-            x = module(x, ctx)
+            x = module.forward(x, ctx)
         else:
-            x = module(x)
+            x = module.forward(x)
     return x
 
 

@@ -1,0 +1,58 @@
+"""The static-shape tick that CUDA graphs capture, exercised eagerly on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from personaplex_voice.engine.base import FRAME_SIZE
+from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
+from personaplex_voice.engine.graphs import GraphedStep
+from tests.support_engine import persona, user_frames
+
+torch.set_num_threads(1)
+
+
+def all_state(engine) -> dict[str, torch.Tensor]:
+    state = {f"lm/{k}": v.clone() for k, v in engine.lm_state.items()}
+    state.update({f"mimi/{k}": v.clone() for k, v in engine.mimi_state.items()})
+    state.update(
+        cache=engine.ring.cache.clone(),
+        provided=engine.ring.provided.clone(),
+        offset=engine.ring.offset.clone(),
+    )
+    return state
+
+
+def test_inactive_tick_leaves_every_state_tensor_untouched(golden_dir):
+    """What graph capture relies on: a tick with no active slot modifies nothing."""
+    engine = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=2)
+    engine.start(1, engine.prepare(persona("pt_voice")))
+    frames = user_frames(golden_dir)
+    for frame in frames[:3]:
+        engine.step(np.stack([frame, frame]), np.array([False, True]))
+    before = all_state(engine)
+    pcm = torch.from_numpy(np.random.default_rng(0).standard_normal((2, FRAME_SIZE)).astype(np.float32))
+    engine._step_tensors(pcm, torch.zeros(2, dtype=torch.bool), True)
+    after = all_state(engine)
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), key
+
+
+def test_static_buffer_path_matches_golden(golden_dir):
+    """The graph runner's path (static buffers, tensor exec mask, sampling math always on, greedy
+    slots selecting the argmax) gives the golden tokens, next to a sampling neighbour."""
+    expected = np.load(golden_dir / "expected.npz")
+    engine = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=2)
+    engine._graphs = GraphedStep(engine, use_cuda_graph=False)
+    from personaplex_voice.engine.base import Persona, Sampling
+
+    engine.start(
+        0, engine.prepare(Persona(text_prompt="Hi.", voice="TINYF0.pt", sampling=Sampling(), seed=1))
+    )
+    engine.start(1, engine.prepare(persona("pt_voice")))
+    rows = []
+    for i, frame in enumerate(user_frames(golden_dir)[:25]):
+        engine.step(np.stack([frame[::-1].copy(), frame]), np.array([i % 2 == 0, True]))
+        rows.append(engine.last_tokens[1].copy())
+    np.testing.assert_array_equal(np.stack(rows), expected["pt_voice__tokens"][:25])
