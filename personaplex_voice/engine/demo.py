@@ -233,28 +233,49 @@ def seeded_weights(device: str = "cpu") -> Iterator[None]:
         yield
 
 
-def tune_codec(mimi: Any, target_rms: float = 0.08) -> None:
-    """Make the random Mimi a usable toy codec: codebooks drawn from its own latents, audible output.
+def tune_codec(mimi: Any, target_rms: float = 0.05) -> None:
+    """Make the random Mimi a usable toy codec: inputs map to varied codes, codes to varied sound.
 
-    Randomly initialised codebooks are all zero (the published buffers start empty), so every
-    input would encode to code 0 and every code decode to the same constant: a demo that ignores
-    the caller and answers with silence. Like a k-means start, each RVQ level's centroids are
-    drawn from the (residual) latents of synthetic calibration audio, plus jitter; then the last
-    decoder conv is rescaled so random codes decode to speech-level audio with no DC offset.
+    A randomly initialised Mimi is useless even as a toy: its codebooks start empty (all zero), so
+    every input encodes to code 0; and its decoder's output is a fixed pattern set by its biases,
+    whatever the codes. So, for the demo only:
+    - each RVQ level's centroids are drawn from the (residual) latents of synthetic calibration
+      audio, plus jitter, like a k-means start;
+    - the decoder sees only what differs between codes: the latents' common direction is
+      projected out of the quantizer's output projection, which is scaled to unit variance, and
+      the decoder's conv biases are zeroed;
+    - the last conv becomes a gentle low-pass at speech level (`target_rms`) with no DC offset.
     Call under `seeded_weights` for reproducible results.
     """
     import torch
-    from torch import nn
+
+    latents = _capture_latents(mimi)
+    with torch.no_grad():
+        for key, rvq in (("first", mimi.quantizer.rvq_first), ("rest", mimi.quantizer.rvq_rest)):
+            _seed_codebooks(rvq, latents[key])
+        mimi.refresh()
+        for rvq in (mimi.quantizer.rvq_first, mimi.quantizer.rvq_rest):
+            _decode_differences_only(rvq)
+        for module in mimi.decoder.modules():
+            if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)) and module.bias is not None:
+                module.bias.zero_()
+        _shape_output(mimi, target_rms)
+
+
+def _capture_latents(mimi: Any) -> dict[str, Any]:
+    """Each RVQ's projected input latents [frames, dim] for the calibration audio."""
+    import torch
 
     from personaplex_voice.model.streaming import StepContext
 
-    calib = _calibration_audio()
     param = next(mimi.parameters())
-    pcm = torch.from_numpy(calib).to(param.device).view(1, 1, -1)
+    pcm = torch.from_numpy(_calibration_audio()).to(param.device).view(1, 1, -1)
     captured: dict[str, torch.Tensor] = {}
     rvqs = {"first": mimi.quantizer.rvq_first, "rest": mimi.quantizer.rvq_rest}
     hooks = [
-        rvq.input_proj.register_forward_hook(lambda _m, _i, out, key=key: captured.__setitem__(key, out))
+        rvq.input_proj.register_forward_hook(
+            lambda _m, _i, out, key=key: captured.__setitem__(key, out[0].T.float())
+        )
         for key, rvq in rvqs.items()
     ]
     try:
@@ -262,30 +283,58 @@ def tune_codec(mimi: Any, target_rms: float = 0.08) -> None:
     finally:
         for hook in hooks:
             hook.remove()
-    with torch.no_grad():
-        for key, rvq in rvqs.items():
-            residual = captured[key][0].T.float()  # [frames, dim]
-            for layer in rvq.vq.layers:
-                book = layer._codebook
-                bins, _ = book.embedding_sum.shape
-                pick = torch.randint(0, residual.shape[0], (bins,), device=residual.device)
-                jitter = 0.3 * residual.std(dim=0, keepdim=True) * torch.randn_like(residual[pick])
-                book.embedding_sum.copy_(residual[pick] + jitter)
-                book.cluster_usage.fill_(1.0)
-                book.refresh()
-                residual = residual - book.decode(book.encode(residual))
-        mimi.refresh()
+    return captured
 
-        codes = torch.randint(0, 2048, (1, mimi.num_codebooks, 25), device=param.device)
-        last = [m for m in mimi.decoder.modules() if isinstance(m, nn.Conv1d)][-1]
-        if last.bias is None:
-            return
-        last.bias.zero_()
-        out = mimi.decode(codes, StepContext(mimi.init_state(1)))
-        rms = float((out - out.mean()).pow(2).mean().sqrt())
-        if rms > 0:
-            last.weight.mul_(target_rms / rms)
-        out = mimi.decode(codes, StepContext(mimi.init_state(1)))
+
+def _seed_codebooks(rvq: Any, latents: Any) -> None:
+    import torch
+
+    residual = latents
+    for layer in rvq.vq.layers:
+        book = layer._codebook
+        bins = book.embedding_sum.shape[0]
+        pick = torch.randint(0, residual.shape[0], (bins,), device=residual.device)
+        jitter = 0.3 * residual.std(dim=0, keepdim=True) * torch.randn_like(residual[pick])
+        book.embedding_sum.copy_(residual[pick] + jitter)
+        book.cluster_usage.fill_(1.0)
+        book.refresh()
+        residual = residual - book.decode(book.encode(residual))
+
+
+def _decode_differences_only(rvq: Any) -> None:
+    """Project the codebooks' shared mean out of the output projection; scale to unit variance."""
+    import torch
+
+    proj = rvq.output_proj
+    if not isinstance(proj, torch.nn.Conv1d):
+        return  # an identity projection (quantizer dim = model dim): leave the codec as it is
+    books = [layer._codebook.embedding for layer in rvq.vq.layers]
+    mean = torch.stack([b.mean(dim=0) for b in books]).sum(dim=0)
+    u = mean / mean.norm().clamp(min=1e-12)
+    weight = proj.weight[:, :, 0]  # [out, in]
+    weight = weight - torch.outer(weight @ u, u)
+    sample = torch.stack([b[torch.randint(0, b.shape[0], (256,))] for b in books]).sum(dim=0)
+    spread = (sample @ weight.T).std().clamp(min=1e-12)
+    proj.weight.copy_((weight / spread)[:, :, None])
+
+
+def _shape_output(mimi: Any, target_rms: float) -> None:
+    import torch
+
+    from personaplex_voice.model.streaming import StepContext
+
+    last = [m for m in mimi.decoder.modules() if isinstance(m, torch.nn.Conv1d)][-1]
+    if last.weight.shape[-1] == 3:  # one gain per channel times [1, 2, 1] / 4: zero at Nyquist
+        gain = last.weight.sum(dim=-1, keepdim=True)
+        last.weight.copy_(gain * last.weight.new_tensor([0.25, 0.5, 0.25]))
+    param = next(mimi.parameters())
+    codes = torch.randint(0, 2048, (1, mimi.num_codebooks, 25), device=param.device)
+    out = mimi.decode(codes, StepContext(mimi.init_state(1)))[..., 10 * 1920 :]
+    rms = float((out - out.mean()).pow(2).mean().sqrt())
+    if rms > 0:
+        last.weight.mul_(target_rms / rms)
+    if last.bias is not None:
+        out = mimi.decode(codes, StepContext(mimi.init_state(1)))[..., 10 * 1920 :]
         last.bias.sub_(out.mean())  # no DC offset: loudspeakers and resamplers dislike it
 
 
