@@ -242,9 +242,12 @@ class Session:
 
         Audio pushed after the session ended is ignored. In realtime mode audio pushed before
         the session is ready is dropped (counted): the conversation has not started yet.
-        Raises ValueError for audio that is not 1-D or not finite.
+        Raises ValueError for audio that is not float, not 1-D or not finite.
         """
-        x = np.asarray(pcm, dtype=np.float32)
+        raw = np.asarray(pcm)
+        if raw.dtype.kind not in "f":
+            raise ValueError(f"push wants float samples in [-1, 1], got {raw.dtype} (scale int16 by 1/32768)")
+        x = raw.astype(np.float32, copy=False)
         if x.ndim == 2 and 1 in x.shape:
             x = x.reshape(-1)
         if x.ndim != 1:

@@ -104,6 +104,8 @@ async def test_push_rejects_bad_audio_and_ignores_after_close(manager_factory):
     await session.ready()
     with pytest.raises(ValueError, match="1-D"):
         session.push(np.zeros((2, 100), np.float32))
+    with pytest.raises(ValueError, match="int16"):
+        session.push(np.zeros(100, np.int16))
     with pytest.raises(ValueError, match="NaN"):
         session.push(np.array([0.0, np.nan], np.float32))
     session.push(np.zeros((FRAME_SIZE, 1), np.float32))  # a column is fine
