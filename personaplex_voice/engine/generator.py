@@ -38,7 +38,9 @@ from personaplex_voice.engine.prompts import PAD_ID, TextTokenizer, wrap_system_
 from personaplex_voice.engine.sampling import SlotSampler
 from personaplex_voice.engine.tokens import RingSlot, TokenRing
 from personaplex_voice.engine.voices import VoiceLibrary, load_voice_audio, load_voice_pt, normalize_loudness
+from personaplex_voice.model.lm import LMModel
 from personaplex_voice.model.loaders import default_lm_dtype, load_lm, load_mimi
+from personaplex_voice.model.mimi import Mimi
 from personaplex_voice.model.streaming import StepContext, StreamState, reset_slot
 
 if TYPE_CHECKING:
@@ -101,7 +103,7 @@ class PersonaPlexEngine:
     KV entries past the context (opt-in, see docs/engine.md); `capture_logits` keeps the last
     step's text and depformer logits in `last_text_logits` / `last_audio_logits` (tests);
     `cuda_graphs` captures the batched step as CUDA graphs (CUDA only); `compile` wraps the LM
-    step with torch.compile.
+    step with torch.compile; `models` = (mimi, lm) reuses loaded modules instead of loading.
     """
 
     sample_rate = SAMPLE_RATE
@@ -119,6 +121,7 @@ class PersonaPlexEngine:
         capture_logits: bool = False,
         cuda_graphs: bool = False,
         compile: bool = False,
+        models: tuple[Mimi, LMModel] | None = None,
     ):
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
@@ -136,8 +139,11 @@ class PersonaPlexEngine:
         if self.cfg.frame_size != FRAME_SIZE or self.cfg.sample_rate != SAMPLE_RATE:
             raise ValueError("the engine runs 24 kHz audio in 80 ms frames")
 
-        self.mimi = load_mimi(self.cfg, files.mimi_weights, self.device)
-        self.lm = load_lm(self.cfg, files.lm_weights, self.device, self.dtype)
+        if models is not None:  # share already loaded modules (several engines, benchmarks)
+            self.mimi, self.lm = models
+        else:
+            self.mimi = load_mimi(self.cfg, files.mimi_weights, self.device)
+            self.lm = load_lm(self.cfg, files.lm_weights, self.device, self.dtype)
         self.tokenizer = TextTokenizer(files.tokenizer)
         self.voice_library = VoiceLibrary(list(files.voice_dirs), source="model")
 

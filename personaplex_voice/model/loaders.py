@@ -100,8 +100,15 @@ def _expand_half_depformer(lm: LMModel, weights: dict[str, torch.Tensor]) -> Non
 
 def load_mimi(cfg: ModelConfig, path: str | Path | None, device: str | torch.device = "cpu") -> Mimi:
     """Mimi in float32 on `device`; `path` None = random weights (the demo model)."""
-    model = Mimi(cfg)
-    if path is not None:
+    if path is None:
+        with torch.device(device):
+            model = Mimi(cfg)
+            with torch.no_grad():  # random codebooks, so random codes decode to varied audio
+                for name, buf in model.named_buffers():
+                    if name.endswith("embedding_sum"):
+                        buf.normal_()
+    else:
+        model = Mimi(cfg)
         weights = _read_safetensors(Path(path), "Mimi")
         _check_and_load(model, weights, Path(path), "Mimi")
     model = model.to(device=device, dtype=torch.float32).eval()
@@ -117,6 +124,10 @@ def load_lm(
 ) -> LMModel:
     """The LM on `device` in `dtype` (default: float32 on CPU, bfloat16 on CUDA)."""
     dtype = dtype or default_lm_dtype(device)
+    if path is None:  # random init directly on the device (the 7B model would take minutes on CPU)
+        with torch.device(device):
+            model = LMModel(cfg.lm)
+        return model.to(dtype=dtype).eval()
     model = LMModel(cfg.lm)
     if path is not None:
         weights = _read_safetensors(Path(path), "LM")
