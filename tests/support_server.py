@@ -55,9 +55,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def insecure_ssl_context():
+    """Trusts any certificate: for servers started with a self-signed `--ssl` directory."""
+    import ssl
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 def _get_status(url: str) -> int | None:
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        context = insecure_ssl_context() if url.startswith("https:") else None
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -96,8 +107,10 @@ def running_server(
         with tempfile.NamedTemporaryFile("wb", prefix="server-", suffix=".log", delete=False) as log_file:
             log_path = Path(log_file.name)
             process = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
+        secure = "--ssl" in args or "PERSONAPLEX_SSL" in (env or {})
+        http, ws = ("https", "wss") if secure else ("http", "ws")
         server = ServerProcess(
-            f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", port, process, log_path, cmd
+            f"{http}://127.0.0.1:{port}", f"{ws}://127.0.0.1:{port}", port, process, log_path, cmd
         )
         try:
             deadline = time.monotonic() + timeout
@@ -246,8 +259,9 @@ async def chat(
             else:
                 await asyncio.sleep(0)
 
+    secure = {"ssl": insecure_ssl_context()} if url.startswith("wss:") else {}
     async with connect(
-        url, additional_headers=headers, origin=origin, compression=None, proxy=None, max_size=None
+        url, additional_headers=headers, origin=origin, compression=None, proxy=None, max_size=None, **secure
     ) as ws:
         receiver = asyncio.create_task(receive(ws))
         with contextlib.suppress(asyncio.TimeoutError):

@@ -4,6 +4,7 @@ through sphn's Ogg-Opus writer/reader as Moshi clients use it."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import httpx
@@ -245,3 +246,33 @@ def test_shutdown_ends_calls_in_words():
         assert result.handshake
         assert result.errors == ["the session ended on the server (shutdown)"]
         assert result.close_code == 1001
+
+
+def test_ssl_serves_https_and_wss(tmp_path):
+    subprocess.run(
+        [
+            *(
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+            ),
+            *("-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    with running_server("--max-sessions", "1", "--ssl", str(tmp_path)) as srv:
+        assert srv.url.startswith("https://")
+        with httpx.Client(base_url=srv.url, verify=False) as client:
+            assert client.get("/healthz").json()["status"] == "ok"
+            assert "PersonaPlex" in client.get("/").text
+        result = asyncio.run(chat(chat_url(srv), np.zeros(SR // 2, np.float32), tail_s=0.2))
+        assert result.handshake and result.errors == [] and len(result.pcm) > 0

@@ -42,7 +42,10 @@ def serve(
         typer.Option(help="Directory with cert.pem and key.pem: serve https/wss [env PERSONAPLEX_SSL]"),
     ] = None,
     voice_dir: Annotated[
-        Path | None, typer.Option(help="Extra directory of voice prompts [env PERSONAPLEX_VOICE_DIR]")
+        Path | None,
+        typer.Option(
+            help="Voice prompts (.pt or audio) to use instead of the model's [env PERSONAPLEX_VOICE_DIR]"
+        ),
     ] = None,
     api_key: Annotated[
         str | None,

@@ -27,7 +27,9 @@ class ServerSettings(BaseSettings):
     max_sessions: int = Field(4, ge=1, le=256, description="batch slots = concurrent conversations")
     max_queue: int = Field(0, ge=0, le=10_000, description="callers allowed to wait for a slot")
     ssl: Path | None = Field(None, description="directory holding cert.pem and key.pem")
-    voice_dir: Path | None = Field(None, description="extra directory of voice prompts (.pt or audio)")
+    voice_dir: Path | None = Field(
+        None, description="directory of voice prompts (.pt or audio) used instead of the model's"
+    )
     api_key: SecretStr | None = None
     # Comma-separated list of allowed browser origins; empty or "*" allows every origin.
     allowed_origins: str = "*"
