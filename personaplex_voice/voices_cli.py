@@ -47,7 +47,8 @@ def list_voices(
     from personaplex_voice.model.sources import resolve_voice_dirs
 
     dirs = resolve_voice_dirs(model, voice_prompt_dir=voice_prompt_dir)
-    voices = VoiceLibrary(list(dirs)).list()
+    source = "voice-dir" if voice_prompt_dir is not None else "model"
+    voices = VoiceLibrary(list(dirs), source=source).list()
     if not voices:
         typer.echo(f"no voices in {', '.join(str(d) for d in dirs)}", err=True)
         return
