@@ -19,6 +19,7 @@ and at most one frame of audio is kept ahead of real-time playback (see `pacing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,7 +174,6 @@ class PersonaPlexLLMService(LLMService):
             default_settings.apply_update(settings)
         super().__init__(settings=default_settings, **kwargs)
 
-        self._speech_threshold_db = speech_threshold_db
         self._tracker = UtteranceTracker(speech_threshold_db, max(1, round(hangover_s / FRAME_S)))
         self._gate = PlayoutGate(max_audio_ahead_s)
         self._user_speech = SpeechEndDetector(speech_threshold_db)
@@ -186,7 +186,9 @@ class PersonaPlexLLMService(LLMService):
         self._out_rate = SAMPLE_RATE
         self._out_resampler: StreamingResampler | None = None
         self._in_resamplers: dict[int, Any] = {}
-        self._pipecat_resampler = create_stream_resampler()  # for rates ours does not stream
+        # Pipecat's soxr stream resamplers, for rate pairs ours does not stream (44.1 kHz)
+        self._pipecat_in_resampler = create_stream_resampler()
+        self._pipecat_out_resampler = create_stream_resampler()
         self._output_lock = asyncio.Lock()
         self._processing = False  # a processing-time measurement is running
         self.stats: dict[str, int] = {
@@ -244,9 +246,11 @@ class PersonaPlexLLMService(LLMService):
         await super().start(frame)
         self._stopping = False
         self._out_rate = self.processor_setup.audio_out_sample_rate
-        self._out_resampler = (
-            None if self._out_rate == SAMPLE_RATE else StreamingResampler(SAMPLE_RATE, self._out_rate)
-        )
+        self._out_resampler = None
+        # a rate that is not a small-integer ratio of 24 kHz (44.1 kHz) goes through Pipecat's
+        with contextlib.suppress(ValueError):
+            if self._out_rate != SAMPLE_RATE:
+                self._out_resampler = StreamingResampler(SAMPLE_RATE, self._out_rate)
         self._session_task = self.create_task(self._run_sessions(), name="personaplex-session")
 
     async def stop(self, frame: EndFrame) -> None:
@@ -275,6 +279,14 @@ class PersonaPlexLLMService(LLMService):
     # -- session life ------------------------------------------------------------------------
 
     async def _run_sessions(self) -> None:
+        try:
+            await self._session_loop()
+        except Exception as exc:  # a bug or an engine failure: say so instead of going silent
+            await self.push_error(
+                f"PersonaPlex: {type(exc).__name__}: {exc}", exception=exc, category=ErrorCategory.UNKNOWN
+            )
+
+    async def _session_loop(self) -> None:
         """Open a session, stream its output; reopen it if it is lost mid-call (not if refused)."""
         reconnects = 0
         while not self._stopping:
@@ -363,7 +375,15 @@ class PersonaPlexLLMService(LLMService):
         if isinstance(resampler, StreamingResampler):
             return resampler.process(pcm)
         mono = _float_to_pcm16(pcm)
-        out = await self._pipecat_resampler.resample(mono, rate, SAMPLE_RATE)
+        out = await self._pipecat_in_resampler.resample(mono, rate, SAMPLE_RATE)
+        return _pcm16_to_float(out, 1)
+
+    async def _resample_output(self, pcm: np.ndarray) -> np.ndarray:
+        if self._out_rate == SAMPLE_RATE:
+            return pcm
+        if self._out_resampler is not None:
+            return self._out_resampler.process(pcm)
+        out = await self._pipecat_out_resampler.resample(_float_to_pcm16(pcm), SAMPLE_RATE, self._out_rate)
         return _pcm16_to_float(out, 1)
 
     # -- agent audio and text out --------------------------------------------------------------
@@ -377,7 +397,7 @@ class PersonaPlexLLMService(LLMService):
             if text is not None:  # a text piece always keeps (or starts) an utterance
                 await self._push_text(text)
             if pcm is not None:
-                audio = self._out_resampler.process(pcm) if self._out_resampler else pcm
+                audio = await self._resample_output(pcm)
                 if edge is not Edge.NONE:
                     await self._push_audio(audio)
             if edge is Edge.ENDED:
