@@ -12,8 +12,9 @@ Measures:
 - `ready_ms_cached`: the same with the persona already in the persona cache (a restore).
 `ready_ms_*` include `engine.prepare` (voice load, prompt planning); `prefill_ms_*` and
 `restore_ms` are the engine part alone (the manager's prefill / restore histograms);
-`manager_overhead_ms_64` is the manager's own CPU per tick (not `engine.step`) with 64
-LoopbackEngine sessions, consumers included.
+`*_cpu_*` are the same in CPU time (steadier on a shared machine); `manager_overhead_ms_64`
+is the manager's own CPU per tick (not `engine.step`) with 64 LoopbackEngine sessions,
+consumers included.
 Targets: tick_ms["16"] <= 3 x tick_ms["1"], ready_ms_cached within one tick, parallel >= 10x
 faster than stepwise. The last line is one JSON object.
 """
@@ -44,7 +45,8 @@ PERSONA = Persona(
 REFERENCE_PREFILL_MS = 890.0  # the published code, stepwise, same prompt, this machine (lead's figure)
 
 
-def tick_ms(model: str, slots: int, frames: int, warmup: int) -> float:
+def tick_ms(model: str, slots: int, frames: int, warmup: int) -> tuple[float, float]:
+    """(median wall ms, median CPU ms) of one batched step with every slot active."""
     engine = build_engine(model, num_slots=slots)
     prepared = engine.prepare(PERSONA)
     engine.start(0, prepared)
@@ -53,18 +55,20 @@ def tick_ms(model: str, slots: int, frames: int, warmup: int) -> float:
         engine.restore(slot, snapshot, prepared)
     rng = np.random.default_rng(0)
     active = np.ones(slots, dtype=bool)
-    times = []
+    times, cpu = [], []
     for i in range(warmup + frames):
         pcm = (0.05 * rng.standard_normal((slots, FRAME_SIZE))).astype(np.float32)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()  # one torch thread: this one
         engine.step(pcm, active)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000.0
+            cpu.append(time.thread_time() - c0)
+    return statistics.median(times) * 1000.0, statistics.median(cpu) * 1000.0
 
 
-async def ready_times(model: str, prefill: str, cached: bool, runs: int) -> tuple[float, float]:
-    """(median open->ready ms, median engine prefill-or-restore ms) through a SessionManager."""
+async def ready_times(model: str, prefill: str, cached: bool, runs: int) -> tuple[float, float, float]:
+    """(median open->ready wall ms, its process CPU ms, mean engine prefill-or-restore ms)
+    through a SessionManager."""
     engine = build_engine(model, num_slots=2, prefill=prefill)
     manager = SessionManager(engine, realtime=False, cache_bytes=(1 << 30) if cached else 0)
     await manager.start()
@@ -73,18 +77,19 @@ async def ready_times(model: str, prefill: str, cached: bool, runs: int) -> tupl
             session = await manager.open(PERSONA)
             await session.ready()
             await session.close()
-        times = []
+        times, cpu = [], []
         for _ in range(runs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             session = await manager.open(PERSONA)
             await session.ready()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             await session.close()
         hist = manager.metrics.restore_seconds if cached else manager.metrics.prefill_seconds
         engine_ms = hist.sum / hist.count * 1000.0 if hist.count else float("nan")
         if cached:
             assert manager.metrics.cache_hits.value == runs
-        return statistics.median(times) * 1000.0, engine_ms
+        return statistics.median(times) * 1000.0, statistics.median(cpu) * 1000.0, engine_ms
     finally:
         await manager.shutdown()
 
@@ -126,13 +131,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    ticks = {}
+    ticks, tick_cpu = {}, {}
     for n in (int(s) for s in args.slots.split(",")):
-        ticks[str(n)] = round(tick_ms(args.model, n, args.frames, args.warmup), 2)
-        print(f"tick with {n:>2} slots: {ticks[str(n)]:8.2f} ms", flush=True)
-    cached, restore_ms = asyncio.run(ready_times(args.model, "parallel", True, args.runs))
-    parallel, prefill_parallel = asyncio.run(ready_times(args.model, "parallel", False, args.runs))
-    stepwise, prefill_stepwise = asyncio.run(
+        wall, cpu = tick_ms(args.model, n, args.frames, args.warmup)
+        ticks[str(n)], tick_cpu[str(n)] = round(wall, 2), round(cpu, 2)
+        print(f"tick with {n:>2} slots: {wall:8.2f} ms ({cpu:.2f} ms CPU)", flush=True)
+    cached, cached_cpu, restore_ms = asyncio.run(ready_times(args.model, "parallel", True, args.runs))
+    parallel, parallel_cpu, prefill_parallel = asyncio.run(
+        ready_times(args.model, "parallel", False, args.runs)
+    )
+    stepwise, stepwise_cpu, prefill_stepwise = asyncio.run(
         ready_times(args.model, "stepwise", False, max(2, args.runs // 2))
     )
     overhead = asyncio.run(manager_overhead_ms(64))
@@ -147,6 +155,10 @@ def main() -> None:
         "ready_ms_cached": round(cached, 2),
         "ready_ms_parallel": round(parallel, 2),
         "ready_ms_stepwise": round(stepwise, 2),
+        "tick_cpu_ms": tick_cpu,
+        "ready_cpu_ms_cached": round(cached_cpu, 2),
+        "ready_cpu_ms_parallel": round(parallel_cpu, 2),
+        "ready_cpu_ms_stepwise": round(stepwise_cpu, 2),
         "restore_ms": round(restore_ms, 3),
         "prefill_ms_parallel": round(prefill_parallel, 2),
         "prefill_ms_stepwise": round(prefill_stepwise, 2),
@@ -155,7 +167,9 @@ def main() -> None:
     if "1" in ticks:
         result["ratios"] = {
             **{f"tick_{n}_vs_1": round(ticks[n] / ticks["1"], 2) for n in ticks if n != "1"},
+            **{f"tick_cpu_{n}_vs_1": round(tick_cpu[n] / tick_cpu["1"], 2) for n in tick_cpu if n != "1"},
             "cached_ready_in_ticks_1": round(cached / ticks["1"], 2),
+            "cached_ready_cpu_in_ticks_1": round(cached_cpu / tick_cpu["1"], 2),
             "prefill_stepwise_vs_parallel": round(prefill_stepwise / prefill_parallel, 1),
             "ready_stepwise_vs_parallel": round(stepwise / parallel, 1),
             "prefill_parallel_vs_reference_stepwise": round(REFERENCE_PREFILL_MS / prefill_parallel, 1),
