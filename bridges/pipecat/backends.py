@@ -55,6 +55,10 @@ class BackendSession(Protocol):
     def description(self) -> str:
         """Who we talk to, for logs (session id, server address)."""
 
+    @property
+    def closed(self) -> bool:
+        """True once the session has ended (slot freed, socket closed)."""
+
     def push(self, pcm: np.ndarray) -> None:
         """User audio, float32 mono 24 kHz, any length. Never blocks; overflow is dropped."""
 

@@ -33,6 +33,10 @@ class InProcessSession:
         return f"in-process session {self._session.id}"
 
     @property
+    def closed(self) -> bool:
+        return self._session.closed
+
+    @property
     def session(self) -> Session:
         return self._session
 

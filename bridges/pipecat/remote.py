@@ -78,6 +78,11 @@ class RemoteSession:
     def description(self) -> str:
         return f"remote session {self.metadata.get('session_id', '?')} at {self._url.split('?')[0]}"
 
+    @property
+    def closed(self) -> bool:
+        """True once the WebSocket's closing handshake is over (or the connection is gone)."""
+        return self._ws.close_code is not None
+
     def push(self, pcm: np.ndarray) -> None:
         if self._closing or not len(pcm):
             return
