@@ -276,3 +276,10 @@ def test_ssl_serves_https_and_wss(tmp_path):
             assert "PersonaPlex" in client.get("/").text
         result = asyncio.run(chat(chat_url(srv), np.zeros(SR // 2, np.float32), tail_s=0.2))
         assert result.handshake and result.errors == [] and len(result.pcm) > 0
+
+
+def test_audio_much_faster_than_real_time_is_refused(server, user_wav):
+    flood = np.tile(user_wav, 4)  # 22 s of audio sent as fast as the socket takes it
+    result = asyncio.run(chat(chat_url(server), flood, realtime=False, max_tail_s=5))
+    assert result.errors == ["audio arrives much faster than real time"]
+    assert result.close_code == 1008

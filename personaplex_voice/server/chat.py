@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -43,6 +44,9 @@ CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013
 
 QUEUE_POLL_S = 0.25
+# A client may send audio at most this much faster than real time, plus a burst of this many seconds.
+MAX_AUDIO_SPEED = 1.5
+AUDIO_BURST_S = 10.0
 
 
 class Refusal(Exception):
@@ -68,6 +72,8 @@ class ChatConnection:
         self._send_lock = asyncio.Lock()
         self._reader = OggOpusReader(sample_rate=SAMPLE_RATE)
         self._streaming = False  # True once the handshake is sent: audio goes to the session
+        self._audio_samples = 0  # decoded from this client so far
+        self._first_audio_at: float | None = None
 
     # -- entry point ---------------------------------------------------------------------------
 
@@ -262,10 +268,22 @@ class ChatConnection:
             chunks = self._reader.feed(pages)
         except ValueError as exc:  # OggError
             raise Refusal("malformed_audio", f"malformed Ogg-Opus audio: {exc}", CLOSE_INVALID_DATA) from None
+        self._check_pace(sum(len(pcm) for pcm in chunks))
         if self._streaming:  # audio sent before the handshake is decoded (headers) but not used
             for pcm in chunks:
                 if len(pcm):
                     self.session.push(pcm)
+
+    def _check_pace(self, samples: int) -> None:
+        """Decoding is the server's cost: a client may burst (after a network stall) but not
+        stream much faster than real time."""
+        now = time.monotonic()
+        if self._first_audio_at is None:
+            self._first_audio_at = now
+        self._audio_samples += samples
+        allowed = (MAX_AUDIO_SPEED * (now - self._first_audio_at) + AUDIO_BURST_S) * SAMPLE_RATE
+        if self._audio_samples > allowed:
+            raise Refusal("too_fast", "audio arrives much faster than real time", CLOSE_POLICY)
 
     async def _send_loop(self) -> None:
         writer = OggOpusWriter(sample_rate=SAMPLE_RATE, frame_ms=20)
