@@ -163,7 +163,7 @@ class PersonaPlexEngine:
         self.sampler = SlotSampler(
             num_slots, self.lm.text_linear.out_features, lm_cfg.card, self.dep_q, self.device
         )
-        self._plan_ring = TokenRing(1, list(lm_cfg.delays), initial, self.dep_q, torch.device("cpu"))
+        self._initial_tokens = initial
         self._started = [False] * num_slots
         self.last_text_logits: np.ndarray | None = None
         self.last_audio_logits: np.ndarray | None = None
@@ -265,8 +265,7 @@ class PersonaPlexEngine:
         """Simulate the prompt on a batch-1 token ring (no model): forced tokens only."""
         n_replay = 0 if replay is None else int(replay.shape[0])
         values = self._prompt_values(voice_codes, n_replay, text_tokens)
-        ring = self._plan_ring
-        ring.reset(0)
+        ring = self._new_plan_ring()  # per call: prepare() may run in worker threads
         given = torch.ones(1, self.K, dtype=torch.bool)
         run_tokens = []
         for i, row in enumerate(values):
@@ -290,6 +289,9 @@ class PersonaPlexEngine:
             run_tokens=torch.stack(run_tokens) if run_tokens else torch.zeros(0, self.K, dtype=torch.long),
             final=ring.read(0),
         )
+
+    def _new_plan_ring(self) -> TokenRing:
+        return TokenRing(1, list(self.cfg.lm.delays), self._initial_tokens, self.dep_q, torch.device("cpu"))
 
     # ---------------------------------------------------------------- slots
 
@@ -487,8 +489,7 @@ class PersonaPlexEngine:
             pcm = normalize_loudness(pcm)
         codes = self.encode_audio(pcm)
         values = self._prompt_values(codes, 0, [])[: codes.shape[0]]
-        ring = self._plan_ring
-        ring.reset(0)
+        ring = self._new_plan_ring()  # per call: prepare() may run in worker threads
         given = torch.ones(1, self.K, dtype=torch.bool)
         inputs = []
         for row in values:

@@ -57,7 +57,8 @@ class GraphedStep:
         torch.cuda.current_stream(engine.device).wait_stream(stream)
         torch.cuda.synchronize(engine.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: prepare() may encode a voice on the GPU from a worker thread meanwhile.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.out, self.pcm_out = engine._step_tensors(self.pcm_in, self.active, True)
         self.graph = graph
 
