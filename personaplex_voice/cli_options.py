@@ -39,7 +39,9 @@ VoiceDirOpt = Annotated[
     Path | None,
     typer.Option("--voice-prompt-dir", help="Directory of voice prompts (replaces the model's voices)."),
 ]
-DeviceOpt = Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda, cuda:1...")]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1...")
+]
 DtypeOpt = Annotated[
     str,
     typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."),
@@ -84,8 +86,8 @@ def parse_dtype(name: str | None) -> Any:
     return table[name]
 
 
-def configure_threads(threads: int, engine: Any, device: str) -> None:
-    """Apply `--threads` once the engine (and so the model size) is known."""
+def configure_threads(threads: int, engine: Any) -> None:
+    """Apply `--threads` once the engine (and so the model size and device) is known."""
     import torch
 
     if threads < 0:
@@ -95,5 +97,6 @@ def configure_threads(threads: int, engine: Any, device: str) -> None:
         return
     cfg = getattr(engine, "cfg", None)
     dim = getattr(getattr(cfg, "lm", None), "dim", None)
+    device = str(getattr(engine, "device", "cpu"))
     if device.startswith("cpu") and dim is not None and dim < TINY_LM_DIM:
         torch.set_num_threads(1)

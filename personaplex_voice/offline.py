@@ -160,7 +160,7 @@ def offline(
     temp_text: Annotated[float, typer.Option("--temp-text", help="Text sampling temperature.")] = 0.7,
     topk_audio: Annotated[int, typer.Option("--topk-audio", help="Audio top-k.")] = 250,
     topk_text: Annotated[int, typer.Option("--topk-text", help="Text top-k.")] = 25,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = 0,
     moshi_weight: MoshiWeightOpt = None,
@@ -190,7 +190,7 @@ def offline(
         dtype=parse_dtype(dtype),
         **source_overrides(moshi_weight, mimi_weight, tokenizer, voice_dir),
     )
-    configure_threads(threads, engine, device)
+    configure_threads(threads, engine)
     n_frames = math.ceil(user_pcm.shape[0] / FRAME_SIZE)
     with _progress(n_frames) as advance:
         pcm, pieces = run_offline(engine, persona, user_pcm, on_frame=advance)

@@ -62,7 +62,7 @@ def make_voice(
     audio: Annotated[Path, typer.Option("--audio", help="A recording of the speaker (any format and rate).")],
     out: Annotated[Path, typer.Option("--out", help="Where to write the voice, NAME.pt.")],
     model: ModelOpt = DEFAULT_MODEL,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = 0,
     moshi_weight: MoshiWeightOpt = None,
@@ -90,7 +90,7 @@ def make_voice(
         dtype=parse_dtype(dtype),
         **source_overrides(moshi_weight, mimi_weight, tokenizer),
     )
-    configure_threads(threads, engine, device)
+    configure_threads(threads, engine)
     voice = engine.make_voice(pcm, normalized=True)  # type: ignore[attr-defined]  # PersonaPlexEngine only
     try:
         torch.save(voice, out)

@@ -26,3 +26,16 @@ def test_bad_engine_options_are_user_errors(tmp_path, monkeypatch) -> None:
         build_engine("demo", device="banana")
     with pytest.raises(UserError, match="no such model directory"):
         build_engine(str(tmp_path / "missing"))
+
+
+def test_auto_device_is_the_gpu_only_when_there_is_one(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from personaplex_voice.engine import factory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert factory._check_device("auto") == "cpu"
+    with pytest.raises(UserError, match="CUDA is not available"):
+        factory._check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert factory._check_device("auto") == "cuda"

@@ -32,6 +32,7 @@ def build_engine(
     """An `Engine` with `num_slots` batch slots.
 
     `model`: "demo", a model directory or a hub repo id (see `model/sources.py`).
+    `device`: a torch device, or "auto" (cuda when available, else cpu).
     `engine`: "model" (PersonaPlexEngine) or "echo" (LoopbackEngine: numpy only, `model` unused).
     `overrides`: per-file paths (`moshi_weight`, `mimi_weight`, `tokenizer`, `voice_prompt_dir`,
     `hf_repo`); any other keyword is passed on to `PersonaPlexEngine`.
@@ -73,6 +74,8 @@ def build_engine(
 def _check_device(device: str) -> str:
     import torch
 
+    if device == "auto":  # the GPU when there is one
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         parsed = torch.device(device)
     except (RuntimeError, ValueError):
