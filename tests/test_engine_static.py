@@ -56,3 +56,13 @@ def test_static_buffer_path_matches_golden(golden_dir):
         engine.step(np.stack([frame[::-1].copy(), frame]), np.array([i % 2 == 0, True]))
         rows.append(engine.last_tokens[1].copy())
     np.testing.assert_array_equal(np.stack(rows), expected["pt_voice__tokens"][:25])
+
+
+def test_non_finite_input_does_not_poison_the_slot(golden_dir):
+    engine = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=1)
+    engine.start(0, engine.prepare(persona("pt_voice")))
+    bad = np.full((1, FRAME_SIZE), np.nan, np.float32)
+    bad[0, ::2] = np.inf
+    out = engine.step(bad, np.array([True]))
+    assert np.isfinite(out.pcm).all()
+    assert all(torch.isfinite(v).all() for v in engine.lm_state.values() if v.is_floating_point())

@@ -439,6 +439,8 @@ class PersonaPlexEngine:
         if not active_np.any():
             return StepOutput(pcm=np.zeros((B, FRAME_SIZE), np.float32), text=[None] * B)
         pcm = np.ascontiguousarray(pcm, dtype=np.float32).reshape(B, FRAME_SIZE)
+        if not np.isfinite(pcm).all():  # a bad client must not poison its slot's state with NaN
+            pcm = np.nan_to_num(pcm, nan=0.0, posinf=1.0, neginf=-1.0)
         sampling = self.sampler.draw_noise(active_np.tolist())
         if self._graphs is not None:
             out, pcm_out = self._graphs.run(pcm, active_np)
