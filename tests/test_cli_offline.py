@@ -20,6 +20,7 @@ def test_offline_reproduces_the_golden_service_run(golden_dir: Path, tmp_path: P
     proc = run_cli(
         "offline",
         "--model", golden_dir,
+        "--device", "cpu",  # float32: the golden tolerances
         "--greedy",
         "--voice-prompt", "TINYF0.pt",
         "--text-prompt", SERVICE_PROMPT,
@@ -51,6 +52,7 @@ def test_offline_with_a_voice_file_path_equals_the_voice_name(golden_dir: Path, 
     proc = call_cli(
         "offline",
         "--model", golden_dir,
+        "--device", "cpu",
         "--greedy",
         "--voice-prompt", voice,
         "--text-prompt", "You enjoy having a good conversation.",
