@@ -101,14 +101,20 @@ def read_input_audio(path: Path) -> np.ndarray:
     return np.ascontiguousarray(pcm, dtype=np.float32)
 
 
-def write_outputs(wav_path: Path, text_path: Path, pcm: np.ndarray, pieces: list[str]) -> None:
-    for path in (wav_path, text_path):
+def check_outputs(*paths: Path) -> None:
+    """Fail before the run, not after it, when an output cannot be written where asked."""
+    for path in paths:
         if not path.parent.is_dir():
             raise UserError(f"{path}: the output directory {path.parent} does not exist")
+        if path.is_dir():
+            raise UserError(f"{path}: is a directory, expected a file name")
+
+
+def write_outputs(wav_path: Path, text_path: Path, pcm: np.ndarray, pieces: list[str]) -> None:
     try:
         write_wav(wav_path, pcm, SAMPLE_RATE, subtype="FLOAT")
         text_path.write_text(json.dumps(pieces, ensure_ascii=False), encoding="utf-8")
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # soundfile's errors are RuntimeErrors
         raise UserError(f"cannot write the output: {exc}") from None
 
 
@@ -171,6 +177,7 @@ def offline(
     """Answer a recorded user with the model: audio file in, agent audio and text out."""
     from personaplex_voice.engine.factory import build_engine
 
+    check_outputs(output_wav, output_text)
     user_pcm = read_input_audio(input_wav)
     voice, voice_dir = voice_option(voice_prompt, voice_prompt_dir)
     sampling = Sampling(

@@ -50,6 +50,14 @@ def test_unreadable_audio_file(golden_dir: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out.wav").exists()
 
 
+def test_output_directory_missing_is_reported_before_the_run(golden_dir: Path, tmp_path: Path) -> None:
+    proc = call_cli(
+        "offline", "--model", golden_dir, "--input-wav", golden_dir / "user.wav",
+        "--output-wav", tmp_path / "nowhere" / "out.wav", "--output-text", tmp_path / "out.json",
+    )  # fmt: skip
+    assert_one_line_error(proc, str(tmp_path / "nowhere"), "does not exist")
+
+
 def test_missing_weights_file(golden_dir: Path, tmp_path: Path) -> None:
     root = model_dir(golden_dir, tmp_path / "model")
     (root / "mimi.safetensors").unlink()
