@@ -55,10 +55,8 @@ def _register_command(name: str, target: str) -> None:
 
 
 def _register_group(name: str, target: str) -> None:
-    try:
-        sub: typer.Typer = _load(target)
-    except ImportError:
-        return
+    # Core command groups: an ImportError here is a bug, so it is not hidden.
+    sub: typer.Typer = _load(target)
     app.add_typer(sub, name=name)
 
 
@@ -75,9 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         args.remove("--debug")
         debug = True
     # Warnings (e.g. "the demo model babbles") reach the terminal as one plain line each.
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         app(args=args, standalone_mode=False)
     except (UserError, EngineError) as exc:
