@@ -204,6 +204,23 @@ def test_archive_without_voices_directory(hub_env, monkeypatch) -> None:
     assert not (hub.snapshot / "voices").exists()
 
 
+def test_corrupt_or_unwritable_voices_archive(hub_env, monkeypatch) -> None:
+    good = _tgz([*GOOD_VOICES, (_file("voices/BIG.pt"), bytes(range(256)) * 400)])
+    hub = hub_env(good[: len(good) - 200])  # truncated download
+    monkeypatch.setenv("HF_TOKEN", "hf_good")
+    with pytest.raises(UserError, match=r"voices\.tgz: unreadable voices archive"):
+        resolve_model(REPO)
+    assert not (hub.snapshot / "voices").exists()
+    (hub.snapshot / "voices.tgz").write_bytes(good)
+
+    def read_only(*args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied", str(hub.snapshot))
+
+    monkeypatch.setattr(sources.tempfile, "mkdtemp", read_only)  # a read-only hub cache
+    with pytest.raises(UserError, match="cannot unpack into .*Permission denied"):
+        resolve_model(REPO)
+
+
 # --------------------------------------------------------------------------------------------
 # local model directories
 

@@ -18,6 +18,7 @@ A source never silently falls back to another: real weights that cannot be found
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import shutil
 import struct
 import tarfile
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -312,8 +314,10 @@ def extract_voices(archive: Path) -> Path:
                         raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-    except (tarfile.TarError, EOFError, OSError) as exc:
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise UserError(f"{archive}: unreadable voices archive ({exc})") from None
+    except OSError as exc:  # a read-only cache, a full disk...
+        raise UserError(f"{archive}: cannot unpack into {archive.parent} ({exc})") from None
     return target
 
 
