@@ -69,14 +69,17 @@ def ours_in_out(x: np.ndarray) -> tuple[np.ndarray, float]:
     out: list[bytes] = []
     made_24k = framed_24k = 0
     for i in range(0, len(data), CHUNK_BYTES):
-        up = inbound.convert(data[i : i + CHUNK_BYTES])
+        up = inbound.feed(data[i : i + CHUNK_BYTES])
+        if up is None:
+            continue
         made_24k += len(up)
         frames.push(up)
         while (frame := frames.pop()) is not None:  # the engine frame: an identity here
             framed_24k += len(frame)
             out += outbound.convert(frame)
     y = ulaw_decode(b"".join(out))
-    held = (len(data) - made_24k / 3) + (framed_24k / 3 - len(y))
+    # Samples waiting to complete an engine frame are the frame's delay, not the bridge's.
+    held = (len(data) - inbound.waiting - made_24k / 3) + (framed_24k / 3 - len(y))
     return y, held
 
 
@@ -207,6 +210,26 @@ def run_level(base_url: str, calls: int, seconds: float, processes: int) -> dict
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_side(base_url: str, calls: int) -> dict:
+    """The bridge's own view of the last `calls` calls: its late frames and engine frame jitter."""
+    import httpx
+
+    state = httpx.get(base_url + "/twilio/calls", headers={"Authorization": f"Bearer {API_TOKEN}"}).json()
+    metrics = [c["metrics"] for c in state["calls"][-calls:] if c.get("metrics")]
+    sessions = [m.get("session") or {} for m in metrics]
+    return {
+        "bridge_late_frames": sum(m.get("late_frames", 0) for m in metrics),
+        "engine_late_input_frames": sum(s.get("late_frames", 0) for s in sessions),
+        "engine_frame_jitter_p99_ms": max((m.get("jitter_p99_ms", 0.0) for m in metrics), default=0.0),
+    }
+
+
 def wait_idle(base_url: str, timeout: float = 30.0) -> None:
     import httpx
 
@@ -247,17 +270,26 @@ def main() -> None:
         "PERSONAPLEX_LOG_LEVEL": "warning",
     }
     best, best_jitter, rows = 0, None, []
+    cost = None
     with running_server(
         "--twilio", "--max-sessions", str(max(levels)), "--log-level", "warning", env=env
     ) as server:
         for calls in levels:
+            cpu0, wall0 = cpu_seconds(server.process.pid), time.monotonic()
             row = run_level(server.url, calls, args.seconds, args.processes)
+            # Server CPU per call per second of audio: what a call costs the bridge + echo engine
+            # (includes answering the webhooks and opening the streams).
+            cpu = cpu_seconds(server.process.pid) - cpu0
+            row["server_cpu_ms_per_call_second"] = round(1000 * cpu / (calls * args.seconds), 2)
+            row["server_cpu_share"] = round(cpu / (time.monotonic() - wall0), 2)
+            row.update(server_side(server.url, calls))
             rows.append(row)
             print(json.dumps(row))
             wait_idle(server.url)
             if row["late_frames"] or row["closed_early"] or row["errors"]:
                 break
             best, best_jitter = calls, row["p99_outbound_jitter_ms"]
+            cost = row["server_cpu_ms_per_call_second"]
     if best_jitter is None:
         best_jitter = rows[0]["p99_outbound_jitter_ms"] if rows else None
     summary = {
@@ -270,6 +302,7 @@ def main() -> None:
         )
         if delays["pipecat_serializer_delay_ms"]
         else None,
+        "server_cpu_ms_per_call_second": cost,
         "levels_tried": [r["calls"] for r in rows],
         "seconds_per_level": args.seconds,
         "cpu_count": os.cpu_count(),

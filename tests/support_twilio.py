@@ -67,6 +67,7 @@ class Played:
     start: float  # when Twilio starts playing it
     payload: bytes
     late: bool  # the buffer had run dry before it arrived
+    gap_s: float = 0.0  # how long the caller heard nothing of ours before it (when late)
 
 
 @dataclass
@@ -160,10 +161,11 @@ class SimulatedCall:
     def _on_media(self, payload: bytes) -> None:
         now = time.monotonic()
         late = bool(self.played) and now > self.play_end
+        gap = now - self.play_end if late else 0.0
         start = max(now, self.play_end)
         self.play_end = start + len(payload) / RATE
         self.max_queued_s = max(self.max_queued_s, self.play_end - now - len(payload) / RATE)
-        self.played.append(Played(now, start, payload, late))
+        self.played.append(Played(now, start, payload, late, gap))
 
     def _schedule_mark(self, name: str) -> None:
         """Echo `name` once everything received before it has played (a timer, not a poll)."""
@@ -236,6 +238,11 @@ class SimulatedCall:
             pcm = ulaw_decode(p.payload)
             out[pos : pos + len(pcm)] = pcm[: len(out) - pos]
         return out
+
+    def underrun_s(self, before: float | None = None) -> float:
+        """Silence the caller heard mid-stream (our audio came late), up to `before` (timeline s)."""
+        origin = self.t0 or (self.played[0].start if self.played else 0.0)
+        return sum(p.gap_s for p in self.played if before is None or p.start - origin <= before)
 
     def message_gaps_s(self) -> np.ndarray:
         arrivals = np.array([p.arrival for p in self.played])

@@ -30,6 +30,7 @@ PUBLIC_URL = "https://voice.example.test"
 SLOTS = 2
 ENGINE_DELAY_FRAMES = 1  # the echo engine's delay line (LoopbackEngine default)
 INBOUND_SLACK_S = 0.030  # TwilioSettings.inbound_slack_ms
+PLAYOUT_CUSHION_S = 0.040  # TwilioSettings.playout_cushion_ms
 
 PERSONAS = {
     "default": "front-desk",
@@ -102,12 +103,29 @@ def echo_delay_and_snr(played: np.ndarray, sent: np.ndarray, sent_at: int) -> tu
     return (onset - sent_at) / RATE, blockwise_snr_db(echo[trim:-trim], 1000.0)
 
 
-def assert_clean(snr: np.ndarray, what: str) -> None:
-    """SNR >= 30 dB, judged per 100 ms: in the median and in 80% of the blocks. A loaded CI machine
-    may make one inbound message late for the engine's frame clock (a short gap), not more."""
-    good = float(np.mean(snr >= 30.0))
-    assert np.median(snr) >= 30.0 and good >= 0.8, (
-        f"{what}: median SNR {np.median(snr):.1f} dB, {good:.0%} >= 30"
+def stalls(call, metrics: dict, before_s: float | None = None) -> tuple[int, float]:
+    """What a starved machine did to a call, as the server and the simulator report it:
+    (holes the echo may have, extra delay it may have gained).
+
+    Each input frame the engine's clock found missing becomes an 80 ms hole (and 80 ms more delay);
+    each time Twilio's buffer of ours ran dry the caller heard a hole of that length; audio
+    dropped from an overfull outbound buffer is a hole too; a grown playout cushion is delay."""
+    late_in = (metrics.get("session") or {}).get("late_frames", 0)
+    late_out = metrics["late_frames"] + -(-metrics["outbound_dropped"] // 4)
+    extra_delay = (
+        0.080 * late_in
+        + call.underrun_s(before_s)
+        + (metrics["playout_cushion_ms"] / 1000 - PLAYOUT_CUSHION_S)
+    )
+    return late_in + late_out, extra_delay
+
+
+def assert_clean(snr: np.ndarray, holes: int, what: str) -> None:
+    """SNR >= 30 dB in the median and in every 100 ms block but those a reported hole touches
+    (a hole spoils at most two blocks). On an idle machine there are no holes at all."""
+    bad = int(np.sum(snr < 30.0))
+    assert np.median(snr) >= 30.0 and bad <= 2 * holes, (
+        f"{what}: median SNR {np.median(snr):.1f} dB, {bad} of {len(snr)} blocks < 30 dB, {holes} holes"
     )
 
 
@@ -184,15 +202,18 @@ async def test_a_tone_comes_back_clean_at_the_expected_delay(server, sim) -> Non
     state = await wait_idle(server)
     record = next(c for c in state["calls"] if c["call_sid"] == call_sid)
     metrics = record["metrics"]
-    print(f"echo delay {delay * 1000:.1f} ms, median SNR {np.median(snr):.1f} dB")
-    assert_clean(snr, f"echo ({metrics})")
+    holes, extra = stalls(call, metrics, before_s=(len(lead) / RATE) + delay)
+    print(f"echo delay {delay * 1000:.1f} ms, median SNR {np.median(snr):.1f} dB, holes {holes}")
+    assert_clean(snr, holes, f"echo ({metrics})")
     # Mouth to ear: a sample waits for the rest of its 80 ms frame to arrive, then `slack` for
     # the engine's tick (the bridge phases the call against the frame clock so each frame is
     # complete that long before its tick), then the engine's delay line, the resamplers (~2 ms)
-    # and what Twilio holds before it (0-20 ms). A sample's wait for its frame plus its place in
-    # the output frame always add up to one frame.
-    expected = 0.080 + INBOUND_SLACK_S + ENGINE_DELAY_FRAMES * 0.080 + 0.002
-    assert expected - 0.025 <= delay <= expected + 0.020 + 0.100, f"echo after {delay * 1000:.0f} ms"
+    # and the playout cushion Twilio holds before it. A sample's wait for its frame plus its
+    # place in the output frame always add up to one frame.
+    expected = 0.080 + INBOUND_SLACK_S + ENGINE_DELAY_FRAMES * 0.080 + 0.002 + PLAYOUT_CUSHION_S
+    # A starved machine (CI runs tests in parallel) adds exactly what the stalls account for.
+    top = expected + 0.020 + 0.100 + extra
+    assert expected - 0.025 <= delay <= top, f"echo after {delay * 1000:.0f} ms ({metrics})"
     # Twilio never held more than ~100 ms of ours; marks came back; the server cleared at the end.
     assert call.max_queued_s <= 0.105
     assert len(call.marks_echoed) >= 20
@@ -283,7 +304,7 @@ async def test_garbage_closes_only_that_call(server, sim) -> None:
     _, snr = echo_delay_and_snr(good.played_audio(), signal, 0)
     state = await wait_idle(server)
     metrics = next(c for c in state["calls"] if c["call_sid"] == call_sid)["metrics"]
-    assert_clean(snr, f"the concurrent call ({metrics})")
+    assert_clean(snr, stalls(good, metrics)[0], f"the concurrent call ({metrics})")
 
 
 def test_call_list_needs_the_api_token(server) -> None:

@@ -11,21 +11,49 @@ import numpy as np
 
 from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
 from personaplex_voice.audio.resample import StreamingResampler
-from personaplex_voice.engine.base import SAMPLE_RATE
+from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE
 
 TWILIO_RATE = 8000
 CHUNK_MS = 20
 CHUNK_BYTES = TWILIO_RATE * CHUNK_MS // 1000  # 160 μ-law bytes per media message
+_UP = SAMPLE_RATE // TWILIO_RATE  # 3 engine samples per telephone sample
 
 
 class InboundAudio:
-    """μ-law 8 kHz bytes -> float32 24 kHz, streaming (filter state kept across messages)."""
+    """μ-law 8 kHz bytes -> float32 24 kHz, streaming (filter state kept across messages).
+
+    `feed` hands audio on only when it completes one of the session's 80 ms frames: the engine
+    cannot step a partial frame anyway, so holding the pieces back costs no delay and converts
+    once per frame instead of once per 20 ms message. `lead` puts silence ahead of the call.
+    """
 
     def __init__(self) -> None:
         self._resampler = StreamingResampler(TWILIO_RATE, SAMPLE_RATE)
+        self._pending = bytearray()
+        self.produced = 0  # 24 kHz samples handed on, lead included
+
+    def lead(self, samples: int) -> np.ndarray:
+        samples -= samples % _UP  # whole 8 kHz periods keep the frame arithmetic exact
+        self.produced += samples
+        return np.zeros(samples, np.float32)
+
+    def feed(self, ulaw: bytes) -> np.ndarray | None:
+        self._pending += ulaw
+        to_frame_end = (-self.produced) % FRAME_SIZE or FRAME_SIZE
+        if len(self._pending) * _UP < to_frame_end:
+            return None
+        out = self.convert(bytes(self._pending))
+        self._pending.clear()
+        self.produced += len(out)
+        return out
 
     def convert(self, ulaw: bytes) -> np.ndarray:
         return self._resampler.process(ulaw_decode(ulaw))
+
+    @property
+    def waiting(self) -> int:
+        """8 kHz samples held until they complete a frame."""
+        return len(self._pending)
 
     @property
     def delay_samples(self) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from personaplex_voice.errors import UserError
@@ -65,6 +65,15 @@ class TwilioSettings(BaseSettings):
             if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
                 raise ValueError(f"PUBLIC_URL must look like https://host[:port][/prefix], got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _cushion_fits(self) -> TwilioSettings:
+        if self.playout_cushion_ms + 20 > self.max_queued_ms:
+            raise ValueError(
+                f"playout_cushion_ms ({self.playout_cushion_ms:g}) + one 20 ms message must fit in "
+                f"max_queued_ms ({self.max_queued_ms:g})"
+            )
+        return self
 
     @property
     def validate_signatures(self) -> bool:

@@ -21,7 +21,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, EngineError, Persona
@@ -101,7 +100,7 @@ class MediaStreamCall:
         self.outbound = OutboundAudio()
         self.clock = PlaybackClock(
             max_queued_s=self.settings.max_queued_ms / 1000,
-            target_s=min(self.settings.max_queued_ms, self.settings.playout_cushion_ms + 20) / 1000,
+            target_s=(round(self.settings.playout_cushion_ms / 1000 / CHUNK_S) + 1) * CHUNK_S,
         )
         self.marks = MarkTracker()
         self.jitter = FrameJitter()
@@ -125,7 +124,11 @@ class MediaStreamCall:
         self._outbox: deque[bytes | str] = deque()
         self._outbox_ready = asyncio.Event()
         self._frames_done = False
+        self._outbox_chunks = 0  # payloads (not marks) in the outbox
         self._cushion_chunks = round(self.settings.playout_cushion_ms / 1000 / CHUNK_S)
+        self._max_cushion_chunks = max(
+            self._cushion_chunks, round(self.settings.max_queued_ms / 1000 / CHUNK_S) - 1
+        )
         self.out_dropped = 0
 
     # --- the receive loop ---------------------------------------------------------------
@@ -291,8 +294,10 @@ class MediaStreamCall:
                 self.inbound_dropped += 1  # until the first frame shows where the engine ticks
                 return
             self._cushioned = True
-            self.session.push(np.zeros(self._cushion_samples(monotonic()), np.float32))
-        self.session.push(self.inbound.convert(ulaw))
+            self.session.push(self.inbound.lead(self._cushion_samples(monotonic())))
+        pcm = self.inbound.feed(ulaw)
+        if pcm is not None:
+            self.session.push(pcm)
 
     def _cushion_samples(self, now: float) -> int:
         """Silence to push ahead of the caller's first message so that, just before each engine
@@ -348,19 +353,18 @@ class MediaStreamCall:
                 if self._tick_origin is None:
                     self._tick_origin = now
                 self.jitter.frame(now)
-                for chunk in self.outbound.convert(out.pcm):
-                    self._outbox.append(chunk)
+                chunks = self.outbound.convert(out.pcm)
+                self._outbox.extend(chunks)
+                self._outbox_chunks += len(chunks)
                 self._outbox.append(str(out.index))  # a mark after the frame
-                while self._outbox_chunks() > limit:
+                while self._outbox_chunks > limit:
                     if isinstance(self._outbox.popleft(), bytes):
+                        self._outbox_chunks -= 1
                         self.out_dropped += 1
                 self._outbox_ready.set()
         finally:
             self._frames_done = True
             self._outbox_ready.set()
-
-    def _outbox_chunks(self) -> int:
-        return sum(isinstance(item, bytes) for item in self._outbox)
 
     async def _send_loop(self) -> None:
         """Paces the local buffer out: a 20 ms message whenever Twilio's buffer has room under the
@@ -375,13 +379,20 @@ class MediaStreamCall:
                     await self._outbox_ready.wait()
                     continue
                 item = self._outbox.popleft()
-                if isinstance(item, str):
+                if isinstance(item, bytes):
+                    self._outbox_chunks -= 1
+                else:
                     await self._send_json(
                         {"event": "mark", "streamSid": self.stream_sid, "mark": {"name": item}}
                     )
                     self.marks.add(item, self.clock.sent_s)
                     continue
                 if self.clock.needs_prime(monotonic()):
+                    if self.clock.started:
+                        # Twilio ran dry: this call's engine frames come later than the cushion
+                        # covers. Grow it by a message (up to the limit), like a jitter buffer.
+                        self._cushion_chunks = min(self._cushion_chunks + 1, self._max_cushion_chunks)
+                        self.clock.target_s = (self._cushion_chunks + 1) * CHUNK_S
                     for _ in range(self._cushion_chunks):
                         await self._send_chunk(SILENCE_CHUNK)
                 await self._send_chunk(item)
@@ -436,6 +447,7 @@ class MediaStreamCall:
             "inbound_gaps": self.inbound_gaps,
             "late_frames": self.clock.underruns,
             "outbound_dropped": self.out_dropped,
+            "playout_cushion_ms": round(self._cushion_chunks * CHUNK_S * 1000),
             "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
             "jitter_p99_ms": round(self.jitter.p99_ms(), 2),
             "max_queued_ms_model": round(self.clock.max_seen_queue_s * 1000, 1),
