@@ -217,7 +217,7 @@ def test_corrupt_or_unwritable_voices_archive(hub_env, monkeypatch) -> None:
         raise PermissionError(13, "Permission denied", str(hub.snapshot))
 
     monkeypatch.setattr(sources.tempfile, "mkdtemp", read_only)  # a read-only hub cache
-    with pytest.raises(UserError, match="cannot unpack into .*Permission denied"):
+    with pytest.raises(UserError, match=r"cannot unpack into .*Permission denied"):
         resolve_model(REPO)
 
 
