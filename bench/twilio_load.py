@@ -8,9 +8,11 @@
    `TwilioFrameSerializer` (deserialize, then serialize), its soxr streaming resamplers.
 2. Load: `personaplex-voice serve --engine echo --twilio` runs in its own process; simulated
    Twilio calls (tests/support_twilio.py, in worker processes) ramp up level by level, each call
-   streaming real-time audio for `--seconds`. A level passes when no call heard a late frame
-   (Twilio's buffer of our audio ran dry mid-call). Outbound jitter: each message's arrival
-   against a perfect 20 ms clock, less the call's smallest offset (packet delay variation).
+   streaming real-time audio for `--seconds`. A level passes when the server counted no late
+   frame: no engine frame without its caller audio in time, no message reaching Twilio after its
+   buffer of ours ran dry. Outbound jitter: p99 of |gap between consecutive media messages at the
+   simulator - 20 ms|. Also printed: the simulators' own late-frame count, the server's CPU time
+   per call-second, and the delay variation against a perfect 20 ms clock.
 
 Last line: {"max_calls_no_late_frames": …, "p99_outbound_jitter_ms": …, "bridge_delay_ms": …, ...}
 """
@@ -139,13 +141,17 @@ def worker(base_url: str, calls: int, seconds: float, start_at: float, results: 
 
     from personaplex_voice.audio.mulaw import ulaw_encode
 
+    cpu_during_calls = [0.0]
+
     async def main() -> list[dict]:
         sim = TwilioSimulator(base_url, AUTH_TOKEN)
         speech = ulaw_encode(np.concatenate([tone(440.0, 1.0, 0.3), np.zeros(RATE, np.float32)]))
         answers = [await asyncio.to_thread(sim.answer) for _ in range(calls)]
         await asyncio.sleep(max(0.0, start_at - time.time()))
+        cpu0 = time.process_time()
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(one_call(sim, a, speech)) for a in answers]
+        cpu_during_calls[0] = time.process_time() - cpu0  # the calls only, not imports/answers
         return [t.result() for t in tasks]
 
     async def one_call(sim, answer, speech: bytes) -> dict:
@@ -177,7 +183,10 @@ def worker(base_url: str, calls: int, seconds: float, start_at: float, results: 
         }
 
     try:
-        results.put(asyncio.run(main()))
+        rows = asyncio.run(main())
+        for row in rows:
+            row["worker_cpu_s"] = cpu_during_calls[0] / max(1, len(rows))
+        results.put(rows)
     except Exception as exc:  # reported, not hidden: the level then fails
         results.put([{"error": repr(exc)}])
 
@@ -198,8 +207,10 @@ def run_level(base_url: str, calls: int, seconds: float, processes: int) -> dict
     errors = [r["error"] for r in rows if "error" in r]
     pdv = np.concatenate([np.asarray(r["pdv_ms"]) for r in rows if "pdv_ms" in r] or [np.zeros(1)])
     jitter = np.concatenate([np.asarray(r["jitter_ms"]) for r in rows if "jitter_ms" in r] or [np.zeros(1)])
+    sim_cpu = sum(r.get("worker_cpu_s", 0.0) for r in rows)
     return {
         "calls": calls,
+        "simulator_cpu_ms_per_call_second": round(1000 * sim_cpu / (calls * seconds), 2),
         "late_frames": int(sum(r.get("late", 0) for r in rows)),
         "calls_with_late_frames": int(sum(r.get("late", 0) > 0 for r in rows)),
         "closed_early": int(sum(r.get("closed_early", False) for r in rows)),
@@ -270,6 +281,7 @@ def main() -> None:
         "PERSONAPLEX_LOG_LEVEL": "warning",
     }
     best, best_jitter, rows = 0, None, []
+    sim_late_at_best = None
     cost = None
     with running_server(
         "--twilio", "--max-sessions", str(max(levels)), "--log-level", "warning", env=env
@@ -286,10 +298,20 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row))
             wait_idle(server.url)
-            if row["late_frames"] or row["closed_early"] or row["errors"]:
+            # Late frames as the server counts them: engine frames whose caller audio was not in
+            # time, and messages that reached Twilio after its buffer of ours had run dry. The
+            # simulators' own count (`late_frames`) also catches their own stalls on a shared
+            # machine (every call of a process late at the same instant); it is reported beside.
+            if (
+                row["bridge_late_frames"]
+                or row["engine_late_input_frames"]
+                or row["closed_early"]
+                or row["errors"]
+            ):
                 break
             best, best_jitter = calls, row["p99_outbound_jitter_ms"]
             cost = row["server_cpu_ms_per_call_second"]
+            sim_late_at_best = row["late_frames"]
     if best_jitter is None:
         best_jitter = rows[0]["p99_outbound_jitter_ms"] if rows else None
     summary = {
@@ -303,6 +325,7 @@ def main() -> None:
         if delays["pipecat_serializer_delay_ms"]
         else None,
         "server_cpu_ms_per_call_second": cost,
+        "simulator_seen_late_frames_at_max": sim_late_at_best,
         "levels_tried": [r["calls"] for r in rows],
         "seconds_per_level": args.seconds,
         "cpu_count": os.cpu_count(),
