@@ -5,15 +5,18 @@
 Starts `personaplex-voice serve` in a subprocess, then runs rounds of N concurrent clients
 (1, 2, 4, ... doubling, then one bisection step) that each stream `--seconds` of speech in real
 time as Ogg-Opus (sphn, like Moshi clients) and decode what comes back. A round is *real time*
-when the server reports no late input frames, no dropped output frames and no clock overruns
-during it, and every client got its whole call back.
+when the server reports no dropped output frames, no clock overruns and at most one late input
+frame per caller during it (a caller whose frames arrive right at the 80 ms tick may slip once,
+then has a one-frame cushion), and every client got its whole call back.
 
 Per frame, the delay is the time from sending an 80 ms frame to receiving the last sample of its
 echo (found by aligning the echo on the input). It includes the loopback engine's one-frame
 delay (80 ms) and the wait for the next tick (up to 80 ms).
 
 Last line: one JSON object, {"max_sessions_realtime", "p99_frame_delay_ms", ...} with the p99 at
-the largest real-time round and its ratio to the 1-client baseline of the same run.
+the largest real-time round and its ratio to the 1-client baseline of the same run, and the
+server's CPU time per second of call (event loop + inference thread, from /proc): on a shared
+machine the real-time limit moves with the neighbours' load, the CPU cost per caller does not.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 import time
@@ -141,9 +145,20 @@ async def run_round(server, audio: np.ndarray, clients: int) -> list[dict]:
     return await asyncio.gather(*(one_client(url, audio, o) for o in offsets))
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(server, audio: np.ndarray, clients: int) -> dict:
     before = scrape(server.url)
+    cpu_before = process_cpu_s(server.process.pid)
     results = asyncio.run(run_round(server, audio, clients))
+    cpu_s = process_cpu_s(server.process.pid) - cpu_before
     after = scrape(server.url)
     counters = {name: after[name] - before[name] for name in COUNTERS}
     delays, complete = [], True
@@ -167,6 +182,8 @@ def measure(server, audio: np.ndarray, clients: int) -> dict:
         "realtime": realtime,
         "p50_ms": round(p50, 1),
         "p99_ms": round(p99, 1),
+        # Server CPU (event loop + inference thread) per second of one caller's call.
+        "server_cpu_ms_per_call_s": round(1000 * cpu_s / (clients * len(audio) / SR), 1),
         **counters,
     }
     print(json.dumps(row), flush=True)
@@ -214,6 +231,7 @@ def main() -> None:
                 "p99_frame_delay_ms": at_max,
                 "p99_frame_delay_ms_1_client": baseline,
                 "p99_ratio_vs_1_client": round(at_max / baseline, 2) if good and baseline else None,
+                "server_cpu_ms_per_call_s": rows[good]["server_cpu_ms_per_call_s"] if good else None,
                 "engine": args.engine,
                 "seconds_per_client": args.seconds,
                 "capped_at": args.max_clients if bad is None else None,
