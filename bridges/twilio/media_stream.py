@@ -2,11 +2,15 @@
 
 Twilio sends JSON text messages: `connected`, `start` (once), `media` (20 ms of base64 μ-law
 at 8 kHz), `mark` (echo of ours, once the audio before it has played), `dtmf`, `stop`. We send
-`media`, `mark` and `clear`. Two tasks run per call: the receive loop (this coroutine: parsing,
-inbound audio, limits) and the sender (session frames -> paced outbound media).
+`media`, `mark` and `clear`. Per call run: the receive loop (`run`: parsing, inbound audio), a
+watchdog (idle and duration limits), the session opener, then a frame reader (session frames ->
+20 ms payloads in a bounded outbox) and the pacer (outbox -> `media`/`mark` at real time, see
+pacing.py). Whatever ends the call (`stop`, a limit, the session ending on the server, a DTMF
+hang-up digit) goes through `_finish`: close the session, `clear` Twilio's buffer, hang up via
+REST when the call is still up, close the socket.
 
 Anything malformed closes this call's socket and frees its slot; nothing here can block another
-call (every wait has a timeout, every queue is the session's bounded one).
+call (every wait is bounded, every queue is bounded).
 """
 
 from __future__ import annotations
