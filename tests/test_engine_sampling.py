@@ -56,3 +56,18 @@ def test_slot_draws_do_not_depend_on_neighbours():
         return out
 
     assert draws(3) == draws(60)
+
+
+def test_graph_mode_updates_sampling_constants_in_place():
+    """A captured CUDA graph keeps reading the same tensors: settings changes must land in them."""
+    sampler = SlotSampler(2, text_card=40, card=64, dep_q=2, device=torch.device("cpu"))
+    sampler.always_full = True
+    sampler.configure(0, Sampling(greedy=True), seed=1)
+    sampler.draw_noise([True, True])
+    buffers = sampler._derived
+    sampler.configure(1, Sampling(audio_topk=3, audio_temperature=0.5), seed=2)
+    sampler.draw_noise([True, True])
+    assert all(a is b for a, b in zip(sampler._derived, buffers, strict=True))
+    text_best, _, _, audio_best, audio_t, audio_keep = buffers
+    assert audio_best.tolist() == [True, False] and float(audio_t[1]) == 0.5
+    assert audio_keep[1].sum() == 3

@@ -2,11 +2,13 @@
 
 Every slot has its own temperature / top-k / greedy settings (as tensors) and its own
 `torch.Generator`. Sampling follows the published algorithm: softmax(logits / T), keep the top k,
-then draw with the exponential race (argmax of p / Exp(1) noise), greedy = argmax of the logits.
+then draw with the exponential race (argmax of p / Exp(1) noise); greedy = argmax of the logits.
 Temperature 0 is greedy, as published.
-The noise is drawn per slot before the step (`draw_noise`), outside the batched computation, so
-a slot's draws depend only on its own seed and step count, never on its neighbours, and the
-batched math itself has no data-dependent control flow (CUDA-graph friendly).
+
+The noise is drawn per slot before the step (`draw_noise`), outside the batched computation: a
+slot draws exactly its own top-k values per stream from its own generator, so its draws depend
+only on its seed and step count, never on its neighbours, and the batched math itself has no
+data-dependent control flow (CUDA-graph friendly).
 """
 
 from __future__ import annotations
@@ -14,6 +16,23 @@ from __future__ import annotations
 import torch
 
 from personaplex_voice.engine.base import Sampling
+
+
+def _draw(
+    logits: torch.Tensor,
+    best: torch.Tensor,
+    safe_t: torch.Tensor,
+    keep: torch.Tensor,
+    pick_best: torch.Tensor,
+    noise: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """Top-`width` candidates, those outside a slot's top-k (`keep` [B, width]) zeroed, race."""
+    probs = torch.softmax(logits / safe_t[:, None], dim=-1)
+    values, index = probs.topk(width, dim=-1)
+    values = torch.where(keep, values, torch.zeros_like(values))
+    choice = (values / noise[:, :width]).argmax(dim=-1, keepdim=True)
+    return torch.where(pick_best, best, index.gather(-1, choice)[:, 0])
 
 
 def sample_tokens(
@@ -26,22 +45,17 @@ def sample_tokens(
 ) -> torch.Tensor:
     """logits [B, V] float32 -> tokens [B]. `noise` None means every slot is greedy.
 
-    As published: probabilities at temperature T, the `topk` best kept, one drawn by the
-    exponential race (argmax of p / Exp(1)) using `noise[b, :topk[b]]`. `width` (>= every
-    slot's top-k, <= V) is the static number of candidates computed for all slots.
+    `noise[b, :topk[b]]` are slot b's Exp(1) draws; `width` (>= every slot's top-k, <= V) is the
+    static number of candidates computed for all slots (0 = V).
     """
     best = logits.argmax(dim=-1)
     if noise is None:
         return best
     width = min(width or logits.shape[-1], logits.shape[-1])
-    safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    probs = torch.softmax(logits / safe_t[:, None], dim=-1)
-    values, index = probs.topk(width, dim=-1)
-    rank = torch.arange(width, device=logits.device)
-    values = torch.where(rank[None, :] < topk[:, None], values, torch.zeros_like(values))
-    choice = (values / noise[:, :width]).argmax(dim=-1, keepdim=True)
-    drawn = index.gather(-1, choice)[:, 0]
-    return torch.where(greedy | (temperature <= 0), best, drawn)
+    pick_best = greedy | (temperature <= 0)
+    safe_t = torch.where(pick_best, torch.ones_like(temperature), temperature)
+    keep = torch.arange(width, device=logits.device)[None, :] < topk[:, None]
+    return _draw(logits, best, safe_t, keep, pick_best, noise, width)
 
 
 class SlotSampler:
@@ -62,6 +76,9 @@ class SlotSampler:
         self.text_width = text_card
         self.audio_width = card
         self.always_full = False  # CUDA graphs: always take the sampling path (static graph)
+        self._version = 0  # bumped by every settings change
+        self._derived_key: tuple[int, int, int] | None = None
+        self._derived: tuple[torch.Tensor, ...] = ()
 
     def configure(self, slot: int, sampling: Sampling, seed: int) -> None:
         self.text_temperature[slot] = sampling.text_temperature
@@ -76,39 +93,65 @@ class SlotSampler:
             self.sampling_slots.discard(slot)
         else:
             self.sampling_slots.add(slot)
+        self._version += 1
 
     def release(self, slot: int) -> None:
         self.sampling_slots.discard(slot)
         self.greedy[slot] = True
+        self._version += 1
 
     def draw_noise(self, active: list[bool]) -> bool:
-        """Fill the noise of active sampling slots; True when any slot samples this step.
-
-        A slot draws exactly top-k values per stream from its own generator, so its random
-        stream never depends on what the other slots do.
-        """
+        """Fill the noise of active sampling slots; True when any slot samples this step."""
         drawing = [s for s in sorted(self.sampling_slots) if active[s]]
         for slot in drawing:
             gen = self.generators[slot]
-            k_text = int(self._k_text[slot])
-            k_audio = int(self._k_audio[slot])
-            self.text_noise[slot, :k_text].exponential_(1.0, generator=gen)
-            self.audio_noise[slot, :, :k_audio].exponential_(1.0, generator=gen)
+            self.text_noise[slot, : self._k_text[slot]].exponential_(1.0, generator=gen)
+            self.audio_noise[slot, :, : self._k_audio[slot]].exponential_(1.0, generator=gen)
         if self.always_full:
             self.text_width, self.audio_width = self.text_noise.shape[-1], self.audio_noise.shape[-1]
         elif drawing:
-            self.text_width = max(int(self._k_text[s]) for s in drawing)
-            self.audio_width = max(int(self._k_audio[s]) for s in drawing)
-        return bool(drawing) or self.always_full
+            self.text_width = max(self._k_text[s] for s in drawing)
+            self.audio_width = max(self._k_audio[s] for s in drawing)
+        sampling = bool(drawing) or self.always_full
+        if sampling:
+            self._constants()  # refresh outside any graph replay
+        return sampling
+
+    def _constants(self) -> tuple[torch.Tensor, ...]:
+        """Guards and top-k masks, rebuilt only when settings or widths change (not per call)."""
+        key = (self._version, self.text_width, self.audio_width)
+        if self._derived_key != key:
+            one = torch.ones_like(self.text_temperature)
+            text_best = self.greedy | (self.text_temperature <= 0)
+            audio_best = self.greedy | (self.audio_temperature <= 0)
+            rank_t = torch.arange(self.text_width, device=self.device)[None, :]
+            rank_a = torch.arange(self.audio_width, device=self.device)[None, :]
+            fresh = (
+                text_best,
+                torch.where(text_best, one, self.text_temperature),
+                rank_t < self.text_topk[:, None],
+                audio_best,
+                torch.where(audio_best, one, self.audio_temperature),
+                rank_a < self.audio_topk[:, None],
+            )
+            if self._derived and all(a.shape == b.shape for a, b in zip(self._derived, fresh, strict=True)):
+                for buffer, value in zip(self._derived, fresh, strict=True):
+                    buffer.copy_(value)  # in place: a captured CUDA graph reads these buffers
+            else:
+                self._derived = fresh
+            self._derived_key = key
+        return self._derived
 
     def text(self, logits: torch.Tensor, sampling: bool) -> torch.Tensor:
-        noise = self.text_noise if sampling else None
-        return sample_tokens(
-            logits, self.text_temperature, self.text_topk, self.greedy, noise, self.text_width
-        )
+        best = logits.argmax(dim=-1)
+        if not sampling:
+            return best
+        pick, safe_t, keep, _, _, _ = self._constants()
+        return _draw(logits, best, safe_t, keep, pick, self.text_noise, self.text_width)
 
     def audio(self, logits: torch.Tensor, codebook: int, sampling: bool) -> torch.Tensor:
-        noise = self.audio_noise[:, codebook] if sampling else None
-        return sample_tokens(
-            logits, self.audio_temperature, self.audio_topk, self.greedy, noise, self.audio_width
-        )
+        best = logits.argmax(dim=-1)
+        if not sampling:
+            return best
+        _, _, _, pick, safe_t, keep = self._constants()
+        return _draw(logits, best, safe_t, keep, pick, self.audio_noise[:, codebook], self.audio_width)

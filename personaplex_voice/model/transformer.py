@@ -31,11 +31,14 @@ class RMSNorm(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, 1, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The published arithmetic; conversions are skipped (not changed) when they are no-ops.
         x_dtype = x.dtype
-        if self.compute_dtype is not None:
+        if self.compute_dtype is not None and x_dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         var = self.eps + torch.mean(x**2, dim=2, keepdim=True)
-        return (x * (self.alpha.to(var) * torch.rsqrt(var))).to(x_dtype)
+        alpha = self.alpha if self.alpha.dtype == var.dtype else self.alpha.to(var)
+        y = x * (alpha * torch.rsqrt(var))
+        return y if y.dtype == x_dtype else y.to(x_dtype)
 
 
 class LayerNormF32(nn.LayerNorm):
