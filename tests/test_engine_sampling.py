@@ -68,6 +68,6 @@ def test_graph_mode_updates_sampling_constants_in_place():
     sampler.configure(1, Sampling(audio_topk=3, audio_temperature=0.5), seed=2)
     sampler.draw_noise([True, True])
     assert all(a is b for a, b in zip(sampler._derived, buffers, strict=True))
-    text_best, _, _, audio_best, audio_t, audio_keep = buffers
+    _, _, _, audio_best, audio_t, audio_keep = buffers
     assert audio_best.tolist() == [True, False] and float(audio_t[1]) == 0.5
     assert audio_keep[1].sum() == 3
