@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 CONFIG_FORMAT = "personaplex-voice golden tiny config v1"
+log = logging.getLogger(__name__)
+
+# Published LMModel keywords this implementation only supports at their default value.
+_LM_FIXED: dict[str, Any] = {
+    "norm_emb": False,
+    "bias_proj": False,
+    "depformer_weights_per_step_schedule": None,
+    "same_initial": False,
+}
 
 
 @dataclass
@@ -99,10 +109,13 @@ class LMConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LMConfig:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown lm keys: {', '.join(unknown)}")
-        cfg = cls(**copy.deepcopy(d))
+        for key in sorted(set(d) - known):
+            if key in _LM_FIXED:
+                if d[key] != _LM_FIXED[key]:
+                    raise ValueError(f"lm.{key} = {d[key]!r} is not supported (only {_LM_FIXED[key]!r})")
+            else:
+                log.warning("model config: ignoring unknown lm key %r", key)
+        cfg = cls(**copy.deepcopy({k: v for k, v in d.items() if k in known}))
         cfg.validate()
         return cfg
 
