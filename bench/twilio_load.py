@@ -1,6 +1,6 @@
 """Twilio bridge benchmark: concurrent phone calls on this machine, and the bridge's own delay.
 
-    .venv/bin/python bench/twilio_load.py --engine echo [--levels 10,25,50,100,150,200] [--seconds 5]
+    .venv/bin/python bench/twilio_load.py --engine echo [--levels 1,5,10,25,50,100,150,200] [--seconds 5]
 
 1. Bridge delay: an impulse crosses the bridge's audio path in and out (μ-law 8 kHz -> 24 kHz
    in 20 ms messages, then 80 ms engine frames -> 8 kHz μ-law), with the engine frame itself
@@ -261,7 +261,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--engine", default="echo", choices=["echo"])
-    parser.add_argument("--levels", default="10,25,50,100,150,200")
+    parser.add_argument("--levels", default="1,5,10,25,50,100,150,200")
     parser.add_argument("--seconds", type=float, default=5.0, help="call length at each level")
     parser.add_argument("--processes", type=int, default=2, help="simulator processes")
     args = parser.parse_args()
