@@ -286,3 +286,44 @@ async def chat(
         await receiver
         result.close_code = ws.close_code
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing an echo with what was sent
+
+
+def log_spectrogram(x):
+    import numpy as np
+    from scipy.signal import stft
+
+    _, _, z = stft(x, fs=24000, nperseg=512, noverlap=512 - 240)
+    return np.log10(np.abs(z) + 1e-4)
+
+
+def echo_similarity(sent, received, segment_s: float = 1.0) -> float:
+    """Correlation of log-spectrograms once `received` is aligned on `sent` (two Opus passes keep
+    spectra, not waveforms). Aligned per one-second segment around the overall delay, because a
+    real-time server that misses a tick on a loaded machine shifts the rest of the echo by a frame."""
+    import numpy as np
+    from scipy.signal import correlate
+
+    lag = int(np.argmax(correlate(received, sent, mode="full", method="fft"))) - (len(sent) - 1)
+    seg = int(segment_s * 24000)
+    scores, weights = [], []
+    for a in range(0, len(sent) - seg // 2, seg):
+        ref = sent[a : a + seg]
+        energy = float(np.mean(ref**2))
+        if energy < 1e-5:
+            continue  # silence says nothing about the echo
+        best = -1.0
+        for shift in range(-4 * 1920, 4 * 1920 + 1, 480):
+            b = a + lag + shift
+            if b < 0 or b + len(ref) > len(received):
+                continue
+            got = received[b : b + len(ref)]
+            best = max(
+                best, float(np.corrcoef(log_spectrogram(ref).ravel(), log_spectrogram(got).ravel())[0, 1])
+            )
+        scores.append(best)
+        weights.append(energy)
+    return float(np.average(scores, weights=weights)) if scores else 0.0

@@ -11,8 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from scipy.signal import correlate, stft
-from support_server import chat, running_server, stop_server
+from support_server import chat, echo_similarity, running_server, stop_server
 
 SR = 24000
 
@@ -28,37 +27,6 @@ def user_wav(golden_dir) -> np.ndarray:
     audio, rate = sf.read(golden_dir / "user.wav", dtype="float32")
     assert rate == SR
     return audio
-
-
-def log_spectrogram(x: np.ndarray) -> np.ndarray:
-    _, _, z = stft(x, fs=SR, nperseg=512, noverlap=512 - 240)
-    return np.log10(np.abs(z) + 1e-4)
-
-
-def echo_similarity(sent: np.ndarray, received: np.ndarray, segment_s: float = 1.0) -> float:
-    """Correlation of log-spectrograms once `received` is aligned on `sent` (two Opus passes keep
-    spectra, not waveforms). Aligned per one-second segment around the overall delay, because a
-    real-time server that misses a tick on a loaded machine shifts the rest of the echo by a frame."""
-    lag = int(np.argmax(correlate(received, sent, mode="full", method="fft"))) - (len(sent) - 1)
-    seg = int(segment_s * SR)
-    scores, weights = [], []
-    for a in range(0, len(sent) - seg // 2, seg):
-        ref = sent[a : a + seg]
-        energy = float(np.mean(ref**2))
-        if energy < 1e-5:
-            continue  # silence says nothing about the echo
-        best = -1.0
-        for shift in range(-4 * 1920, 4 * 1920 + 1, 480):
-            b = a + lag + shift
-            if b < 0 or b + len(ref) > len(received):
-                continue
-            got = received[b : b + len(ref)]
-            best = max(
-                best, float(np.corrcoef(log_spectrogram(ref).ravel(), log_spectrogram(got).ravel())[0, 1])
-            )
-        scores.append(best)
-        weights.append(energy)
-    return float(np.average(scores, weights=weights)) if scores else 0.0
 
 
 def chat_url(server, **query: str) -> str:

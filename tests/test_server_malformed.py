@@ -13,13 +13,13 @@ import httpx
 import numpy as np
 import soundfile as sf
 import sphn
-from support_server import chat, running_server
-from test_server_chat import SR, echo_similarity
+from support_server import chat, echo_similarity, running_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from personaplex_voice.audio.opus import ogg_crc
 
+SR = 24000
 SEED = 1234
 CONCURRENCY = 3
 
