@@ -20,55 +20,58 @@ from personaplex_voice.server.config import ServerSettings
 
 def serve(
     host: Annotated[
-        str | None, typer.Option(help="Interface to bind [env PERSONAPLEX_HOST; default 127.0.0.1]")
+        str | None, typer.Option(help="Interface to bind (env PERSONAPLEX_HOST; default 127.0.0.1)")
     ] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port [env PERSONAPLEX_PORT; default 8998]")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (env PERSONAPLEX_PORT; default 8998)")] = None,
     model: Annotated[
         str | None,
-        typer.Option(help="`demo`, a Hugging Face repo id or a local model dir [env PERSONAPLEX_MODEL]"),
+        typer.Option(
+            help="`demo`, a Hugging Face repo id or a local model dir "
+            "(env PERSONAPLEX_MODEL; default nvidia/personaplex-7b-v1)"
+        ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option(help="cuda, cuda:N, cpu or auto [env PERSONAPLEX_DEVICE]")
+        str | None, typer.Option(help="cuda, cuda:N, cpu or auto (env PERSONAPLEX_DEVICE)")
     ] = None,
     max_sessions: Annotated[
         int | None,
-        typer.Option(help="Concurrent conversations = batch slots [env PERSONAPLEX_MAX_SESSIONS; 4]"),
+        typer.Option(help="Concurrent conversations = batch slots (env PERSONAPLEX_MAX_SESSIONS; 4)"),
     ] = None,
     max_queue: Annotated[
-        int | None, typer.Option(help="Callers that may wait for a free slot [env PERSONAPLEX_MAX_QUEUE; 0]")
+        int | None, typer.Option(help="Callers that may wait for a free slot (env PERSONAPLEX_MAX_QUEUE; 0)")
     ] = None,
     ssl: Annotated[
         Path | None,
-        typer.Option(help="Directory with cert.pem and key.pem: serve https/wss [env PERSONAPLEX_SSL]"),
+        typer.Option(help="Directory with cert.pem and key.pem: serve https/wss (env PERSONAPLEX_SSL)"),
     ] = None,
     voice_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Voice prompts (.pt or audio) to use instead of the model's [env PERSONAPLEX_VOICE_DIR]"
+            help="Voice prompts (.pt or audio) to use instead of the model's (env PERSONAPLEX_VOICE_DIR)"
         ),
     ] = None,
     api_key: Annotated[
         str | None,
-        typer.Option(help="Require this key (?token=, Bearer or X-API-Key) [env PERSONAPLEX_API_KEY]"),
+        typer.Option(help="Require this key (?token=, Bearer or X-API-Key) (env PERSONAPLEX_API_KEY)"),
     ] = None,
     allowed_origins: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated browser origins allowed on /api/chat [env PERSONAPLEX_ALLOWED_ORIGINS]"
+            help="Comma-separated browser origins allowed on /api/chat (env PERSONAPLEX_ALLOWED_ORIGINS)"
         ),
     ] = None,
     engine: Annotated[
         str | None,
-        typer.Option(help="`model` (PersonaPlex) or `echo` (loopback, no torch) [env PERSONAPLEX_ENGINE]"),
+        typer.Option(help="`model` (PersonaPlex) or `echo` (loopback, no torch) (env PERSONAPLEX_ENGINE)"),
     ] = None,
     twilio: Annotated[
         bool | None,
         typer.Option(
-            "--twilio/--no-twilio", help="Mount the Twilio bridge at /twilio [env PERSONAPLEX_TWILIO]"
+            "--twilio/--no-twilio", help="Mount the Twilio bridge at /twilio (env PERSONAPLEX_TWILIO)"
         ),
     ] = None,
     log_level: Annotated[
-        str | None, typer.Option(help="debug, info, warning [env PERSONAPLEX_LOG_LEVEL]")
+        str | None, typer.Option(help="debug, info, warning (env PERSONAPLEX_LOG_LEVEL)")
     ] = None,
 ) -> None:
     """Serve /api/chat, the browser client, health and metrics."""
