@@ -78,10 +78,11 @@ async function loadVoices() {
   try {
     const response = await fetch(url);
     if (response.status === 401) {
-      showError("The server needs an API key: enter it under Advanced, then reload the voice list by reconnecting.");
+      showError("The server needs an API key: enter it under Advanced (the voice list then reloads).");
       return;
     }
     if (!response.ok) return; // still loading: the default voice works
+    if (state.error && state.error.includes("API key")) showError("");
     const { voices } = await response.json();
     const select = $("voice");
     const current = select.value;
