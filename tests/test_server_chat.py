@@ -117,11 +117,11 @@ def test_capacity_queue_and_refusal():
     /readyz says full, and the waiting caller gets the slot when the first leaves."""
     with running_server("--max-sessions", "1", "--max-queue", "1") as srv:
         url = chat_url(srv)
-        silence = np.zeros(SR, np.float32)
+        silence = np.zeros(3 * SR, np.float32)
 
         async def scenario():
-            first = asyncio.create_task(chat(url, silence, tail_s=0.5))
-            await asyncio.sleep(0.8)  # the first caller holds the slot
+            first = asyncio.create_task(chat(url, silence, tail_s=0.5))  # holds the slot >= 3.5 s
+            await asyncio.sleep(0.8)
             second = asyncio.create_task(chat(url, silence[: SR // 2], tail_s=0.3))
             await asyncio.sleep(0.3)
             third = await chat(url)
