@@ -1,0 +1,14 @@
+"""The native server: `/api/chat` (PersonaPlex/Moshi protocol), voices, health, metrics, `web/`.
+
+| module | job |
+| --- | --- |
+| `config` | `ServerSettings` (flags and `PERSONAPLEX_*` environment variables) |
+| `app` | `create_app(settings, manager=None)`: routes, lifespan (engine load, manager start/stop) |
+| `command` | the `personaplex-voice serve` command (uvicorn) |
+| `chat` | one `/api/chat` WebSocket bridged to one Session |
+| `protocol` | message kinds, encoders/decoders and `ChatParams` (reused by clients) |
+| `access` | API key and Origin checks |
+| `metrics` | Prometheus export of the manager's and the server's instruments |
+| `engine_loader` | the engine the settings ask for (echo without torch) |
+| `static` | where `web/` is at runtime |
+"""
