@@ -22,6 +22,7 @@ class EuclideanCodebook(nn.Module):
         self.register_buffer("cluster_usage", torch.ones(bins))
         self.register_buffer("embedding_sum", torch.zeros(bins, dim))
         self._embedding: torch.Tensor | None = None
+        self._padded: torch.Tensor | None = None
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -31,11 +32,22 @@ class EuclideanCodebook(nn.Module):
         return self._embedding
 
     def refresh(self) -> None:
-        self._embedding = self.embedding_sum / self.cluster_usage.clamp(min=self.epsilon)[:, None]
+        emb = self.embedding_sum / self.cluster_usage.clamp(min=self.epsilon)[:, None]
+        self._embedding = emb
+        # torch.cdist(p=2) on a codebook this size computes [x, 1, |x|^2]-style padded matmuls
+        # (ATen's _euclidean_dist); the codebook half is constant, so it is built once here.
+        emb_norm = emb.pow(2).sum(-1, keepdim=True)
+        self._padded = torch.cat([emb, torch.ones_like(emb_norm), emb_norm], -1)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] -> codes [N] (nearest centroid)."""
-        dists = torch.cdist(x[None], self.embedding[None], p=2)[0]
+        """x [N, D] -> codes [N] (nearest centroid), the same distances as torch.cdist."""
+        if self._embedding is None or self._embedding.device != self.embedding_sum.device:
+            self.refresh()
+        if self._embedding.shape[0] <= 25 and x.shape[0] <= 25:  # cdist's direct (non-matmul) path
+            return torch.cdist(x[None], self.embedding[None], p=2)[0].argmin(dim=-1)
+        x_norm = x.pow(2).sum(-1, keepdim=True)
+        padded = torch.cat([x.mul(-2), x_norm, torch.ones_like(x_norm)], -1)
+        dists = padded.matmul(self._padded.mT).clamp_min_(0).sqrt_()
         return dists.argmin(dim=-1)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
