@@ -12,12 +12,18 @@ from pathlib import Path
 _CHECKOUT_WEB = Path(__file__).resolve().parents[2] / "web"
 
 
-def web_root() -> Path | None:
+def _packaged_web() -> Path | None:
     try:
-        packaged = Path(str(importlib.resources.files("personaplex_voice.web")))
-    except (ModuleNotFoundError, TypeError):
-        packaged = None
-    for candidate in (packaged, _CHECKOUT_WEB):
+        # `web/` has no __init__.py: a namespace package, whose `files()` is a MultiplexedPath
+        # (not a filesystem path itself); joining a file name gives a real path.
+        index = importlib.resources.files("personaplex_voice.web").joinpath("index.html")
+    except (ModuleNotFoundError, TypeError, ValueError, AttributeError):
+        return None
+    return index.parent if isinstance(index, Path) else None
+
+
+def web_root() -> Path | None:
+    for candidate in (_packaged_web(), _CHECKOUT_WEB):
         if candidate is not None and (candidate / "index.html").is_file():
             return candidate
     return None
