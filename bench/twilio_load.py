@@ -142,6 +142,9 @@ def worker(base_url: str, calls: int, seconds: float, start_at: float, results: 
     from personaplex_voice.audio.mulaw import ulaw_encode
 
     cpu_during_calls = [0.0]
+    import gc
+
+    gc.freeze()  # as the server does: no full collections of import-time objects mid-call
 
     async def main() -> list[dict]:
         sim = TwilioSimulator(base_url, AUTH_TOKEN)
