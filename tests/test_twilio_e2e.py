@@ -227,8 +227,8 @@ async def test_a_tone_comes_back_clean_at_the_expected_delay(server, sim) -> Non
 async def test_busy_when_every_slot_is_taken(server, sim) -> None:
     calls = [sim.answer() for _ in range(SLOTS)]
     async with (
-        sim.media_stream(calls[0][1], calls[0][2]) as a,
-        sim.media_stream(calls[1][1], calls[1][2]) as b,
+        sim.media_stream(calls[0][1], calls[0][2], call_sid=calls[0][0]) as a,
+        sim.media_stream(calls[1][1], calls[1][2], call_sid=calls[1][0]) as b,
     ):
         await wait_audio(a)
         await wait_audio(b)
@@ -318,3 +318,12 @@ def test_examples_personas_file_loads() -> None:
     root = Path(__file__).resolve().parents[1]
     book = PersonaBook.load(root / "examples" / "twilio_personas.yaml")
     assert book.default in book.personas
+
+
+async def test_a_stream_token_only_opens_its_own_call(server, sim) -> None:
+    call_sid, url, params = sim.answer()
+    async with sim.media_stream(url, params, call_sid="CA" + "0" * 32) as call:  # another call's sid
+        await asyncio.wait_for(call.closed.wait(), 10)
+    assert call.close_code == 1008 and not call.played
+    await asyncio.to_thread(sim.status_callback, call_sid, "completed")
+    await wait_idle(server)

@@ -81,6 +81,8 @@ class TwilioBridge:
             reservation = self.registry.claim(str(token))
             if reservation is None:
                 raise ProtocolError("unknown or expired stream token")
+            if reservation.call_sid and reservation.call_sid != call_sid:
+                raise ProtocolError("the stream token belongs to another call")
             return reservation.persona_name, reservation.persona
         name = str(params.get("persona") or self.book.default)
         try:
