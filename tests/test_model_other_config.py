@@ -4,6 +4,8 @@ a busy batch gives exactly what the same persona gives alone. Also: loader error
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -88,3 +90,36 @@ def test_loader_errors_name_the_file(model_dir, tmp_path):
     save_file({**sd, key: torch.zeros(3, 3)}, str(tmp_path / "shape.safetensors"))
     with pytest.raises(UserError, match=r"shape.safetensors.*shape mismatch"):
         load_lm(cfg, tmp_path / "shape.safetensors")
+
+
+def test_eight_step_depformer_checkpoint_is_expanded(golden_dir, tmp_path):
+    """Like the published loader: a checkpoint with depformer weights for steps 0..7 only runs
+    with dep_q = 16, steps 8..15 reusing steps 0..7."""
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_json(golden_dir / "config.json")
+    sd = load_file(str(golden_dir / "model.safetensors"))
+    half = {}
+    for key, value in sd.items():
+        parts = key.split(".")
+        step = next(
+            (
+                int(p)
+                for g, p in itertools.pairwise(parts)
+                if g in ("gating", "linears", "depformer_in", "depformer_emb") and p.isdigit()
+            ),
+            None,
+        )
+        if step is not None and step >= 8:
+            continue
+        if key.startswith("depformer.") and "self_attn" in key:
+            value = value[: value.shape[0] // 2]
+        half[key] = value.contiguous()
+    save_file(half, str(tmp_path / "half.safetensors"))
+    lm = load_lm(cfg, tmp_path / "half.safetensors")
+    assert torch.equal(lm.linears[9].weight, lm.linears[1].weight)
+    assert torch.equal(
+        lm.depformer.layers[0].gating[12].linear_in.weight, lm.depformer.layers[0].gating[4].linear_in.weight
+    )
+    w = lm.depformer.layers[1].self_attn.in_proj_weight
+    assert torch.equal(w[: w.shape[0] // 2], w[w.shape[0] // 2 :])
