@@ -54,6 +54,7 @@ SINE_TOKENS = [430, 1268, 381, 1611, 1095, 1495, 56, 472]
 SILENCE_SECONDS = 0.5
 DEFAULT_VOICE = "NATF2.pt"
 PREFILL_MODES = ("parallel", "stepwise")
+AUDIO_VOICE_CACHE = 32  # encoded audio voices kept
 
 
 @dataclass
@@ -165,6 +166,8 @@ class PersonaPlexEngine:
         )
         self._initial_tokens = initial
         self._started = [False] * num_slots
+        # Mimi codes of audio voices by (path, mtime, size): encoding one costs ~0.1 s on CPU.
+        self._audio_voice_codes: dict[tuple[Any, ...], torch.Tensor] = {}
         self.last_text_logits: np.ndarray | None = None
         self.last_audio_logits: np.ndarray | None = None
         self._text_logits_dev: torch.Tensor | None = None
@@ -214,7 +217,12 @@ class PersonaPlexEngine:
                     raise PersonaError(f"voice {voice!r} was made for another model")
                 replay = replay.reshape(replay.shape[0], -1)
             else:
-                voice_codes = self.encode_audio(load_voice_audio(path))
+                voice_codes = self._audio_voice_codes.get(voice_key)
+                if voice_codes is None:
+                    voice_codes = self.encode_audio(load_voice_audio(path))
+                    while len(self._audio_voice_codes) >= AUDIO_VOICE_CACHE:
+                        self._audio_voice_codes.pop(next(iter(self._audio_voice_codes)))
+                    self._audio_voice_codes[voice_key] = voice_codes
         text = wrap_system_prompt(persona.text_prompt)
         text_tokens = self.tokenizer.encode(text) if text else []
         plan = self._plan(voice_codes, replay, cache_after, text_tokens)
