@@ -33,7 +33,7 @@ def test_inactive_tick_leaves_every_state_tensor_untouched(golden_dir):
         engine.step(np.stack([frame, frame]), np.array([False, True]))
     before = all_state(engine)
     pcm = torch.from_numpy(np.random.default_rng(0).standard_normal((2, FRAME_SIZE)).astype(np.float32))
-    engine._step_tensors(pcm, torch.zeros(2, dtype=torch.bool), True)
+    engine._step_tensors(engine._full, pcm, torch.zeros(2, dtype=torch.bool), True)
     after = all_state(engine)
     for key, value in before.items():
         assert torch.equal(value, after[key]), key
@@ -66,3 +66,21 @@ def test_non_finite_input_does_not_poison_the_slot(golden_dir):
     out = engine.step(bad, np.array([True]))
     assert np.isfinite(out.pcm).all()
     assert all(torch.isfinite(v).all() for v in engine.lm_state.values() if v.is_floating_point())
+
+
+def test_compacted_tick_touches_only_active_slots(golden_dir):
+    """CPU ticks with idle slots run only the active ones: idle slots' state stays bit-identical
+    and active ones get the same tokens as in a full-batch tick."""
+    expected = np.load(golden_dir / "expected.npz")
+    engine = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=3, capture_logits=True)
+    assert engine._compact
+    engine.start(0, engine.prepare(persona("service")))
+    engine.start(2, engine.prepare(persona("pt_voice")))
+    frames = user_frames(golden_dir)[:8]
+    for i, frame in enumerate(frames):
+        before = {k: v[0].clone() for k, v in engine.lm_state.items()}
+        engine.step(np.stack([frame, frame, frame]), np.array([i % 2 == 0, False, True]))
+        np.testing.assert_array_equal(engine.last_tokens[2], expected["pt_voice__tokens"][i])
+        assert engine.last_text_logits.shape == (3, 300)
+        if i % 2:
+            assert all(torch.equal(v, engine.lm_state[k][0]) for k, v in before.items())

@@ -41,7 +41,7 @@ from personaplex_voice.engine.voices import VoiceLibrary, load_voice_audio, load
 from personaplex_voice.model.lm import LMModel
 from personaplex_voice.model.loaders import default_lm_dtype, load_lm, load_mimi
 from personaplex_voice.model.mimi import Mimi
-from personaplex_voice.model.streaming import StepContext, StreamState, reset_slot
+from personaplex_voice.model.streaming import StepContext, StreamState, reset_slot, state_nbytes
 
 if TYPE_CHECKING:
     from personaplex_voice.model.sources import ModelFiles
@@ -55,6 +55,7 @@ SILENCE_SECONDS = 0.5
 DEFAULT_VOICE = "NATF2.pt"
 PREFILL_MODES = ("parallel", "stepwise")
 AUDIO_VOICE_CACHE = 32  # encoded audio voices kept
+COMPACT_MAX_SLOT_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -80,6 +81,17 @@ class PromptPlan:
     @property
     def model_runs(self) -> int:
         return self.final.offset - 1
+
+
+@dataclass
+class _Tick:
+    """The state one tick reads and writes: all slots, or a compacted copy of the active ones."""
+
+    lm_state: StreamState
+    mimi_state: StreamState
+    ring: TokenRing
+    sampler: SlotSampler
+    audio_logits: torch.Tensor | None
 
 
 @dataclass
@@ -175,6 +187,11 @@ class PersonaPlexEngine:
         self._audio_logits_buf = (
             torch.zeros(num_slots, self.dep_q, lm_cfg.card, device=self.device) if capture_logits else None
         )
+        self._full = _Tick(self.lm_state, self.mimi_state, self.ring, self.sampler, self._audio_logits_buf)
+        # CPU eager: a tick with idle slots runs only the active ones (copied out and back), so
+        # its cost follows the active calls; not for big per-slot states (the 7B KV cache).
+        slot_bytes = state_nbytes(self.lm_state) // num_slots
+        self._compact = self.device.type == "cpu" and slot_bytes <= COMPACT_MAX_SLOT_BYTES
         self._graphs: Any = None
         if compile:
             self._lm_forward = torch.compile(self.lm.forward_embeddings, dynamic=False)
@@ -364,7 +381,7 @@ class PersonaPlexEngine:
                 assert plan.replay is not None
                 override[slot] = plan.replay[i - 1].to(self.device, self.dtype)
             sampling = self.sampler.draw_noise(active_list)
-            self._lm_step(active, sampling, override if replaying else None)
+            self._lm_step(self._full, active, sampling, override if replaying else None)
             if replaying and i == n_replay:
                 assert plan.after_replay is not None
                 self.ring.cache[slot] = plan.after_replay.to(self.device)
@@ -402,7 +419,7 @@ class PersonaPlexEngine:
     # ---------------------------------------------------------------- the tick
 
     def _lm_step(
-        self, active: torch.Tensor | None, sampling: bool, override: torch.Tensor | None = None
+        self, tick: _Tick, active: torch.Tensor | None, sampling: bool, override: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Model run on the ring's current column for every slot; returns the output rows.
 
@@ -410,13 +427,13 @@ class PersonaPlexEngine:
         `sampling` False skips the sampling math (every active slot greedy); the noise of sampling
         slots must have been drawn (`sampler.draw_noise`) before.
         """
-        inp, target, provided = self.ring.model_io()
+        inp, target, provided = tick.ring.model_io()
         emb = self.lm.embed_codes(inp[:, :, None])
         if override is not None and active is not None:
             emb = torch.where(active[:, None, None], override[:, None].to(emb.dtype), emb)
-        hidden, text_logits = self._lm_forward(emb, StepContext(self.lm_state, active))
+        hidden, text_logits = self._lm_forward(emb, StepContext(tick.lm_state, active))
         text_logits = text_logits[:, 0].float()
-        text = self.sampler.text(text_logits, sampling)
+        text = tick.sampler.text(text_logits, sampling)
         next_text = torch.where(provided[:, 0], target[:, 0], text)
         dq = self.dep_q
         audio = self.lm.depformer_tokens(
@@ -424,12 +441,12 @@ class PersonaPlexEngine:
             next_text,
             target[:, 1 : dq + 1],
             provided[:, 1 : dq + 1],
-            lambda logits, cb: self.sampler.audio(logits, cb, sampling),
-            self._audio_logits_buf,
+            lambda logits, cb: tick.sampler.audio(logits, cb, sampling),
+            tick.audio_logits,
         )
         if self.capture_logits:
             self._text_logits_dev = text_logits
-        return self.ring.commit(text, audio, provided, active)
+        return tick.ring.commit(text, audio, provided, active)
 
     def _publish_logits(self) -> None:
         if self.capture_logits:
@@ -452,8 +469,11 @@ class PersonaPlexEngine:
         sampling = self.sampler.draw_noise(active_np.tolist())
         if self._graphs is not None:
             out, pcm_out = self._graphs.run(pcm, active_np)
+        elif self._compact and not active_np.all():
+            out, pcm_out = self._step_compacted(pcm, np.flatnonzero(active_np), sampling)
         else:
             out, pcm_out = self._step_tensors(
+                self._full,
                 torch.from_numpy(pcm).to(self.device),
                 None if active_np.all() else torch.from_numpy(active_np).to(self.device),
                 sampling,
@@ -470,20 +490,51 @@ class PersonaPlexEngine:
         )
 
     def _step_tensors(
-        self, pcm: torch.Tensor, active: torch.Tensor | None, sampling: bool
+        self, tick: _Tick, pcm: torch.Tensor, active: torch.Tensor | None, sampling: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batched tick on device tensors: pcm [B, FRAME] -> (output rows [B, dq+1], pcm [B, FRAME])."""
-        B = self.num_slots
-        mimi_ctx = StepContext(self.mimi_state, active)
+        B = pcm.shape[0]
+        mimi_ctx = StepContext(tick.mimi_state, active)
         codes = self.mimi.encode(pcm[:, None], mimi_ctx)[:, :, 0]
         values = torch.zeros(B, self.K, dtype=torch.long, device=self.device)
         values[:, 1 + self.n_audio :] = codes
         given = torch.zeros(B, self.K, dtype=torch.bool, device=self.device)
         given[:, 1 + self.n_audio :] = True
-        self.ring.write_given(values, given, active)
-        out = self._lm_step(active, sampling)
+        tick.ring.write_given(values, given, active)
+        out = self._lm_step(tick, active, sampling)
         pcm_out = self.mimi.decode(out[:, 1 : 1 + self.n_audio, None], mimi_ctx)
         return out, pcm_out[:, 0]
+
+    def _step_compacted(
+        self, pcm: np.ndarray, rows: np.ndarray, sampling: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tick on a copy of the active slots' state, written back afterwards (CPU)."""
+        idx = torch.from_numpy(rows).to(self.device)
+        full = self._full
+        tick = _Tick(
+            {k: v.index_select(0, idx) for k, v in full.lm_state.items()},
+            {k: v.index_select(0, idx) for k, v in full.mimi_state.items()},
+            full.ring.subset(idx),
+            full.sampler.subset(idx),
+            None if full.audio_logits is None else full.audio_logits.index_select(0, idx),
+        )
+        sub_out, sub_pcm = self._step_tensors(
+            tick, torch.from_numpy(pcm[rows]).to(self.device), None, sampling
+        )
+        for key, value in full.lm_state.items():
+            value.index_copy_(0, idx, tick.lm_state[key])
+        for key, value in full.mimi_state.items():
+            value.index_copy_(0, idx, tick.mimi_state[key])
+        full.ring.store(idx, tick.ring)
+        if self.capture_logits:
+            assert full.audio_logits is not None and tick.audio_logits is not None
+            assert self._text_logits_dev is not None
+            full.audio_logits.index_copy_(0, idx, tick.audio_logits)
+            text_logits = torch.zeros(self.num_slots, self._text_logits_dev.shape[-1], device=self.device)
+            self._text_logits_dev = text_logits.index_copy_(0, idx, self._text_logits_dev)
+        out = torch.zeros(self.num_slots, sub_out.shape[1], dtype=sub_out.dtype, device=self.device)
+        pcm_out = torch.zeros(self.num_slots, FRAME_SIZE, device=self.device)
+        return out.index_copy_(0, idx, sub_out), pcm_out.index_copy_(0, idx, sub_pcm)
 
     # ---------------------------------------------------------------- voices
 

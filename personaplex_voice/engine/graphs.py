@@ -53,13 +53,13 @@ class GraphedStep:
         stream.wait_stream(torch.cuda.current_stream(engine.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                engine._step_tensors(self.pcm_in, self.active, True)
+                engine._step_tensors(engine._full, self.pcm_in, self.active, True)
         torch.cuda.current_stream(engine.device).wait_stream(stream)
         torch.cuda.synchronize(engine.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: prepare() may encode a voice on the GPU from a worker thread meanwhile.
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.out, self.pcm_out = engine._step_tensors(self.pcm_in, self.active, True)
+            self.out, self.pcm_out = engine._step_tensors(engine._full, self.pcm_in, self.active, True)
         self.graph = graph
 
     @torch.no_grad()
@@ -67,7 +67,7 @@ class GraphedStep:
         self.pcm_in.copy_(torch.from_numpy(pcm))
         self.active.copy_(torch.from_numpy(np.asarray(active, dtype=bool)))
         if not self.use_cuda_graph:
-            return self.engine._step_tensors(self.pcm_in, self.active, True)
+            return self.engine._step_tensors(self.engine._full, self.pcm_in, self.active, True)
         if self.graph is None:
             self.capture()
             self.active.copy_(torch.from_numpy(np.asarray(active, dtype=bool)))

@@ -13,6 +13,8 @@ data-dependent control flow (CUDA-graph friendly).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from personaplex_voice.engine.base import Sampling
@@ -79,6 +81,19 @@ class SlotSampler:
         self._version = 0  # bumped by every settings change
         self._derived_key: tuple[int, int, int] | None = None
         self._derived: tuple[torch.Tensor, ...] = ()
+
+    def subset(self, index: torch.Tensor) -> SlotSampler:
+        """Settings and drawn noise of the slots `index` (for a compacted tick; no generators)."""
+        sub = copy.copy(self)
+        sub.num_slots = int(index.shape[0])
+        for name in ("text_temperature", "text_topk", "audio_temperature", "audio_topk", "greedy"):
+            setattr(sub, name, getattr(self, name).index_select(0, index))
+        sub.text_noise = self.text_noise.index_select(0, index)
+        sub.audio_noise = self.audio_noise.index_select(0, index)
+        sub.generators = []
+        sub._derived_key = None
+        sub._derived = ()
+        return sub
 
     def configure(self, slot: int, sampling: Sampling, seed: int) -> None:
         self.text_temperature[slot] = sampling.text_temperature

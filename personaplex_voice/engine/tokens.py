@@ -13,6 +13,7 @@ system-prompt step, so it is done by `first_step` outside the batched tick.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,21 @@ class TokenRing:
         self.cache[slot] = value.cache.to(self.device)
         self.provided[slot] = value.provided.to(self.device)
         self.offset[slot] = value.offset
+
+    def subset(self, index: torch.Tensor) -> TokenRing:
+        """A ring holding copies of the slots `index` (for a compacted tick)."""
+        sub = copy.copy(self)
+        sub.num_slots = int(index.shape[0])
+        sub.cache = self.cache.index_select(0, index)
+        sub.provided = self.provided.index_select(0, index)
+        sub.offset = self.offset.index_select(0, index)
+        return sub
+
+    def store(self, index: torch.Tensor, sub: TokenRing) -> None:
+        """Write a subset's slots back."""
+        self.cache.index_copy_(0, index, sub.cache)
+        self.provided.index_copy_(0, index, sub.provided)
+        self.offset.index_copy_(0, index, sub.offset)
 
     def write_given(self, values: torch.Tensor, given: torch.Tensor, active: torch.Tensor | None) -> None:
         """Force `values` [B, K] (where `given` [B, K]) at this step's write positions."""
