@@ -38,6 +38,7 @@ from personaplex_voice.engine.prompts import PAD_ID, TextTokenizer, wrap_system_
 from personaplex_voice.engine.sampling import SlotSampler
 from personaplex_voice.engine.tokens import RingSlot, TokenRing
 from personaplex_voice.engine.voices import VoiceLibrary, load_voice_audio, load_voice_pt, normalize_loudness
+from personaplex_voice.errors import UserError
 from personaplex_voice.model.lm import LMModel
 from personaplex_voice.model.loaders import default_lm_dtype, load_lm, load_mimi
 from personaplex_voice.model.mimi import Mimi
@@ -137,9 +138,9 @@ class PersonaPlexEngine:
         models: tuple[Mimi, LMModel] | None = None,
     ):
         if num_slots < 1:
-            raise ValueError("num_slots must be >= 1")
+            raise UserError(f"num_slots must be at least 1, got {num_slots}")
         if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+            raise UserError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         self.files = files
         self.name = files.name
         self.cfg = files.config
@@ -154,6 +155,7 @@ class PersonaPlexEngine:
 
         if models is not None:  # share already loaded modules (several engines, benchmarks)
             self.mimi, self.lm = models
+            self.dtype = next(self.lm.parameters()).dtype
         else:
             self.mimi = load_mimi(self.cfg, files.mimi_weights, self.device)
             self.lm = load_lm(self.cfg, files.lm_weights, self.device, self.dtype)
@@ -191,7 +193,7 @@ class PersonaPlexEngine:
         # CPU eager: a tick with idle slots runs only the active ones (copied out and back), so
         # its cost follows the active calls; not for big per-slot states (the 7B KV cache).
         slot_bytes = state_nbytes(self.lm_state) // num_slots
-        self._compact = self.device.type == "cpu" and slot_bytes <= COMPACT_MAX_SLOT_BYTES
+        self._compact = self.device.type == "cpu" and slot_bytes <= COMPACT_MAX_SLOT_BYTES and not compile
         self._graphs: Any = None
         if compile:
             self._lm_forward = torch.compile(self.lm.forward_embeddings, dynamic=False)
@@ -199,7 +201,7 @@ class PersonaPlexEngine:
             self._lm_forward = self.lm.forward_embeddings
         if cuda_graphs:
             if self.device.type != "cuda":
-                raise ValueError("cuda_graphs needs device='cuda'")
+                raise UserError("cuda_graphs needs a CUDA device")
             from personaplex_voice.engine.graphs import GraphedStep
 
             self._graphs = GraphedStep(self)
