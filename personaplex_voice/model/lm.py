@@ -7,7 +7,8 @@ the other, each conditioned on the previous token (text first) through a fresh 1
 attention (`depformer_weights_per_step`: one set of weights per step; `depformer_multi_linear`:
 one input projection per step). Attribute names match the published checkpoint keys.
 
-Token bookkeeping (delays, forcing, sampling) lives in `personaplex_voice.engine.lmstate`.
+Token bookkeeping (delays, forcing) lives in `personaplex_voice.engine.tokens`, sampling in
+`personaplex_voice.engine.sampling`.
 """
 
 from __future__ import annotations
@@ -217,10 +218,10 @@ class LMModel(nn.Module):
 
     def embed_codes(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, 17, T] -> summed input embeddings [B, T, dim] (published summation order)."""
-        x = self.emb[0](tokens[:, 1])
+        x = F.embedding(tokens[:, 1], self.emb[0].weight)
         for i in range(1, self.n_q):
-            x = x + self.emb[i](tokens[:, i + 1])
-        return x + self.text_emb(tokens[:, 0])
+            x = x + F.embedding(tokens[:, i + 1], self.emb[i].weight)
+        return x + F.embedding(tokens[:, 0], self.text_emb.weight)
 
     def forward_embeddings(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, dim] -> (normed hidden [B, T, dim], text logits [B, T, text_card])."""
