@@ -40,6 +40,32 @@ class ByteTokenizer:
         return None
 
 
+def time_engine(files, mimi, lm, n: int, graphs: bool, ticks: int, rng) -> tuple[float, float, int]:
+    """(tick ms, prefill ms, prompt steps) of an engine with `n` slots, all active."""
+    engine = generator.PersonaPlexEngine(
+        files, num_slots=n, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, models=(mimi, lm)
+    )
+    prepared = engine.prepare(Persona(text_prompt=PROMPT, sampling=Sampling(), seed=1))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.start(0, prepared)
+    torch.cuda.synchronize()
+    prefill_ms = (time.perf_counter() - t) * 1000
+    snap = engine.snapshot(0)
+    for slot in range(1, n):
+        engine.restore(slot, snap, prepared)
+    active = np.ones(n, bool)
+    pcm = (rng.standard_normal((n, FRAME_SIZE)) * 0.1).astype(np.float32)
+    for _ in range(3):  # the first tick captures the graph
+        engine.step(pcm, active)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(ticks):
+        engine.step(pcm, active)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / ticks * 1000, prefill_ms, prepared.prompt_steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--slots", default="1,8,16,32,48,64")
@@ -67,53 +93,28 @@ def main() -> None:
     print(f"random weights on GPU in {time.perf_counter() - t0:.1f} s", flush=True)
     results: dict[str, float] = {}
     eager: dict[str, float] = {}
-    prefill_ms = None
+    prefill_ms = float("nan")
     rng = np.random.default_rng(0)
     for n in [int(x) for x in args.slots.split(",")]:
         for graphs in [True, False] if args.eager else [True]:
             try:
-                engine = generator.PersonaPlexEngine(
-                    files,
-                    num_slots=n,
-                    device="cuda",
-                    dtype=torch.bfloat16,
-                    cuda_graphs=graphs,
-                    models=(mimi, lm),
-                )
+                tick, prefill_ms, steps = time_engine(files, mimi, lm, n, graphs, args.ticks, rng)
             except torch.cuda.OutOfMemoryError:
                 print(f"{n} slots: out of GPU memory", flush=True)
-                break
-            prepared = engine.prepare(Persona(text_prompt=PROMPT, sampling=Sampling(), seed=1))
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            engine.start(0, prepared)
-            torch.cuda.synchronize()
-            prefill_ms = (time.perf_counter() - t) * 1000
-            snap = engine.snapshot(0)
-            for slot in range(1, n):
-                engine.restore(slot, snap, prepared)
-            active = np.ones(n, bool)
-            pcm = (rng.standard_normal((n, FRAME_SIZE)) * 0.1).astype(np.float32)
-            for _ in range(3):  # the first tick captures the graph
-                engine.step(pcm, active)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(args.ticks):
-                engine.step(pcm, active)
-            torch.cuda.synchronize()
-            tick = (time.perf_counter() - t) / args.ticks * 1000
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
             (results if graphs else eager)[str(n)] = round(tick, 2)
             print(
                 f"{n:3d} slots: {'graph' if graphs else 'eager'} tick {tick:7.2f} ms "
-                f"(prefill of {prepared.prompt_steps} prompt steps {prefill_ms:.1f} ms, "
+                f"(prefill of {steps} prompt steps {prefill_ms:.1f} ms, "
                 f"GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)",
                 flush=True,
             )
-            del engine, snap
             gc.collect()  # the graph runner and the engine reference each other
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    print(json.dumps({"tick_ms": results, "eager_tick_ms": eager, "prefill_ms": prefill_ms}))
+    print(json.dumps({"tick_ms": results, "eager_tick_ms": eager, "prefill_ms": round(prefill_ms, 2)}))
 
 
 if __name__ == "__main__":
