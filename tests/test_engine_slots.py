@@ -74,3 +74,24 @@ def test_long_call_ring_modes(small_context_dir):
     gone = set(range(end - context))  # the oldest prompt positions have left the rolling ring
     assert gone and gone < prompt_positions
     assert not gone & set(rolling.lm_state["transformer:kpos"][0].tolist())
+
+
+def test_prompt_longer_than_the_context_is_refused(small_context_dir):
+    from personaplex_voice.engine.base import PersonaError
+
+    engine = PersonaPlexEngine(files_for(small_context_dir), num_slots=1)
+    with pytest.raises(PersonaError, match="too long"):
+        engine.prepare(Persona(text_prompt="word " * 200, voice="V0"))
+
+
+def test_kept_prompt_survives_snapshot_and_restore(small_context_dir):
+    engine = PersonaPlexEngine(files_for(small_context_dir), num_slots=2, keep_prompt=True)
+    prepared = engine.prepare(Persona(text_prompt="Be kind.", voice="V0", sampling=Sampling(greedy=True)))
+    engine.start(0, prepared)
+    engine.restore(1, engine.snapshot(0), prepared)
+    assert engine.lm_state["transformer:pin"].tolist() == [prepared.payload.model_runs] * 2
+    rng = np.random.default_rng(2)
+    for _ in range(60):  # past the context of 100
+        frame = (rng.standard_normal(FRAME_SIZE) * 0.2).astype(np.float32)
+        engine.step(np.stack([frame, frame]), np.array([True, True]))
+        np.testing.assert_array_equal(engine.last_tokens[0], engine.last_tokens[1])
