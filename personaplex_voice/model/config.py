@@ -128,8 +128,8 @@ class LMConfig:
             raise ValueError("lm.dep_q must be <= lm.n_q")
         if self.dim % self.num_heads or self.depformer_dim % self.depformer_num_heads:
             raise ValueError("model dims must be divisible by their head counts")
-        if self.gating == "none" or self.depformer_gating == "none":
-            raise ValueError("the PersonaPlex LM uses gated feed-forward layers (gating != 'none')")
+        if self.depformer_gating == "none":
+            raise ValueError("the depth transformer needs a gated feed-forward (depformer_gating != 'none')")
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(asdict(self))
