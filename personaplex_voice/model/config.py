@@ -84,7 +84,7 @@ class LMConfig:
     norm: str = "rms_norm_f32"
     positional_embedding: str = "rope"
     depformer_dim: int = 1024
-    depformer_dim_feedforward: int | None = 4224
+    depformer_dim_feedforward: int | list[int] | None = 4224
     depformer_num_heads: int = 16
     depformer_num_layers: int = 6
     depformer_causal: bool = True

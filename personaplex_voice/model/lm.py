@@ -43,7 +43,7 @@ class _DepformerAttention(nn.Module):
 
 
 class _DepformerLayer(nn.Module):
-    def __init__(self, cfg: LMConfig, num_weights: int, dim_feedforward: int):
+    def __init__(self, cfg: LMConfig, num_weights: int, dim_feedforward: int | list[int]):
         super().__init__()
         dim = cfg.depformer_dim
         self.self_attn = _DepformerAttention(dim, cfg.depformer_num_heads, num_weights)
@@ -51,10 +51,13 @@ class _DepformerLayer(nn.Module):
         self.norm2 = make_norm(cfg.norm, dim)
         gating: nn.Module
         if cfg.depformer_weights_per_step:
-            gating = nn.ModuleList(
-                [ActivationGating(dim, dim_feedforward, cfg.depformer_gating) for _ in range(num_weights)]
-            )
+            dims = dim_feedforward if isinstance(dim_feedforward, list) else [dim_feedforward] * num_weights
+            if len(dims) != num_weights:
+                raise ValueError("depformer_dim_feedforward needs one width per depformer step")
+            gating = nn.ModuleList([ActivationGating(dim, ff, cfg.depformer_gating) for ff in dims])
         else:
+            if isinstance(dim_feedforward, list):
+                raise ValueError("a list depformer_dim_feedforward needs depformer_weights_per_step")
             gating = ActivationGating(dim, dim_feedforward, cfg.depformer_gating)
         self.gating = gating
         ls = cfg.depformer_layer_scale
