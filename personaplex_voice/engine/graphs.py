@@ -13,6 +13,7 @@ the current state.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +24,7 @@ from personaplex_voice.engine.base import FRAME_SIZE
 if TYPE_CHECKING:
     from personaplex_voice.engine.generator import PersonaPlexEngine
 
+log = logging.getLogger(__name__)
 WARMUP_RUNS = 3
 
 
@@ -69,7 +71,14 @@ class GraphedStep:
         if not self.use_cuda_graph:
             return self.engine._step_tensors(self.engine._full, self.pcm_in, self.active, True)
         if self.graph is None:
-            self.capture()
+            try:
+                self.capture()
+            except RuntimeError as exc:  # a kernel that cannot be captured: keep serving, eagerly
+                log.warning("CUDA graph capture failed (%s); running the tick eagerly", exc)
+                self.graph = None
+                self.use_cuda_graph = False
+                torch.cuda.synchronize(self.engine.device)
+                return self.engine._step_tensors(self.engine._full, self.pcm_in, self.active, True)
             self.active.copy_(torch.from_numpy(np.asarray(active, dtype=bool)))
         assert self.graph is not None and self.out is not None and self.pcm_out is not None
         self.graph.replay()
