@@ -104,14 +104,16 @@ def echo_delay_and_snr(played: np.ndarray, sent: np.ndarray, sent_at: int) -> tu
 
 
 def stalls(call, metrics: dict, before_s: float | None = None) -> tuple[int, float]:
-    """What a starved machine did to a call, as the server and the simulator report it:
+    """What a starved machine did to a call, as the server and the simulator report them:
     (holes the echo may have, extra delay it may have gained).
 
     Each input frame the engine's clock found missing becomes an 80 ms hole (and 80 ms more delay);
     each time Twilio's buffer of ours ran dry the caller heard a hole of that length; audio
     dropped from an overfull outbound buffer is a hole too; a grown playout cushion is delay."""
     late_in = (metrics.get("session") or {}).get("late_frames", 0)
-    late_out = metrics["late_frames"] + -(-metrics["outbound_dropped"] // 4)
+    # Twilio's buffer ran dry: as the server's pacer saw it, and as the simulator heard it (its
+    # own process may be the one that stalled; then only it sees the gap).
+    late_out = metrics["late_frames"] + call.late_frames + -(-metrics["outbound_dropped"] // 4)
     extra_delay = (
         0.080 * late_in
         + call.underrun_s(before_s)

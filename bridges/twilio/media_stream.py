@@ -134,6 +134,8 @@ class MediaStreamCall:
             self._cushion_chunks, round(self.settings.max_queued_ms / 1000 / CHUNK_S) - 1
         )
         self.out_dropped = 0
+        self.max_send_gap_s = 0.0  # longest wait between two of our media messages
+        self._last_send = 0.0
 
     # --- the receive loop ---------------------------------------------------------------
     async def run(self) -> None:
@@ -341,6 +343,9 @@ class MediaStreamCall:
         payload = base64.b64encode(chunk).decode("ascii")
         await self._send_json({"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}})
         self.clock.sent(now, CHUNK_S)
+        if self.frames_out:
+            self.max_send_gap_s = max(self.max_send_gap_s, now - self._last_send)
+        self._last_send = now
         self.frames_out += 1
 
     async def _read_frames(self) -> None:
@@ -438,7 +443,13 @@ class MediaStreamCall:
             self.record.end_reason = reason
             self.record.metrics = self.metrics()
             self.bridge.registry.status(self.call_sid, "stream-ended")
-        log.info("twilio %s: call %s ended (%s) %s", self.stream_sid, self.call_sid, reason, self.metrics())
+        log.info(
+            "twilio %s: call %s ended (%s) call_metrics=%s",
+            self.stream_sid,
+            self.call_sid,
+            reason,
+            json.dumps(self.metrics(), default=str),
+        )
 
     def metrics(self) -> dict[str, Any]:
         queued_ms = [q * 1000 for q in self.marks.queued_at_ack_s]
@@ -450,6 +461,7 @@ class MediaStreamCall:
             "inbound_dropped_before_ready": self.inbound_dropped,
             "inbound_gaps": self.inbound_gaps,
             "late_frames": self.clock.underruns,
+            "max_send_gap_ms": round(self.max_send_gap_s * 1000, 1),
             "outbound_dropped": self.out_dropped,
             "playout_cushion_ms": round(self._cushion_chunks * CHUNK_S * 1000),
             "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
