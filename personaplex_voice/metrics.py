@@ -141,6 +141,7 @@ class SessionMetrics:
     cache_entries: Gauge
     dropped_output_frames: Counter
     dropped_input_samples: Counter
+    jitter_dropped_frames: Counter
     sessions_opened: Counter
     sessions_rejected: Counter
     sessions_closed: Counter
@@ -174,7 +175,12 @@ class SessionMetrics:
                 "dropped_output_frames_total", "Output frames dropped because a consumer was slow"
             ),
             dropped_input_samples=Counter(
-                "dropped_input_samples_total", "Input samples dropped (input backlog over its bound)"
+                "dropped_input_samples_total",
+                "Input samples dropped (backlog over its bound, or trimmed by the jitter buffer)",
+            ),
+            jitter_dropped_frames=Counter(
+                "jitter_dropped_frames_total",
+                "Spare input frames the realtime jitter buffer dropped to bring latency back down",
             ),
             sessions_opened=Counter("sessions_opened_total", "Sessions admitted or queued"),
             sessions_rejected=Counter(

@@ -126,6 +126,10 @@ class _SampleFifo:
         self._size -= n
         return out
 
+    def drop_oldest(self, n: int) -> None:
+        """Discard the `n` oldest samples (at most what is buffered)."""
+        self._discard(min(n, self._size))
+
     def clear(self) -> None:
         self._chunks.clear()
         self._head = 0
@@ -182,8 +186,13 @@ class Session:
             "lead_in_frames": 0,
             "dropped_output_frames": 0,
             "dropped_input_samples": 0,
+            "jitter_dropped_frames": 0,
             "dropped_pre_ready_samples": 0,
         }
+        # Realtime jitter buffer (inference thread only): ticks in a row that left at least one
+        # whole spare frame queued, and the fewest spare frames seen over those ticks.
+        self._spare_streak = 0
+        self._spare_floor = 0
         self._prefill_s: float | None = None
         self._cache_hit: bool | None = None
         self._queue_wait_s: float | None = None
@@ -340,6 +349,30 @@ class Session:
     def _has_frame(self) -> bool:
         return len(self._input) >= FRAME_SIZE
 
+    def _trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
+        """Realtime jitter buffer, run by each tick after it took (or missed) this session's
+        frame. Whole frames still queued are *spare*: cushion against late input, but also
+        latency. Spare beyond `slack_frames` goes at once; spare that stayed queued through
+        `settle_ticks` ticks in a row was never needed and goes then. The oldest frames go, in
+        whole frames, so a client's frame phase is kept. Returns the frames dropped."""
+        with self._lock:
+            spare = len(self._input) // FRAME_SIZE
+            drop = max(0, spare - slack_frames)
+            kept = spare - drop
+            if kept == 0:  # the cushion was used (or there was none): start over
+                self._spare_streak = 0
+            else:
+                self._spare_floor = kept if self._spare_streak == 0 else min(self._spare_floor, kept)
+                self._spare_streak += 1
+                if settle_ticks is not None and self._spare_streak >= settle_ticks:
+                    drop += self._spare_floor
+                    self._spare_streak = 0
+            if drop:
+                self._input.drop_oldest(drop * FRAME_SIZE)
+                self._counts["jitter_dropped_frames"] += drop
+                self._counts["dropped_input_samples"] += drop * FRAME_SIZE
+            return drop
+
     def _deliver(self, frame: OutFrame, max_frames: int) -> int:
         """Queue an output frame; drop the oldest beyond `max_frames`. Returns frames dropped."""
         with self._lock:
@@ -366,7 +399,12 @@ class SessionManager:
       max_call_s: calls end with close_reason "max_duration" after this much audio (None = no limit).
       idle_timeout_s: a running session that pushes nothing for this long (wall clock) ends with
         close_reason "idle" (None = never).
-      late_wait_s: realtime only; how long a tick waits past its due time for late input.
+      late_wait_s: realtime only; the most a tick waits past its due time for late input (less
+        when the engine's recent steps leave less of the frame period).
+      input_slack_s: realtime jitter buffer; spare input (whole frames queued beyond the one a
+        tick takes) above this is dropped at once, oldest first.
+      input_settle_s: realtime jitter buffer; spare input that stayed queued, unused, this long
+        is dropped, bringing the latency back to under one frame (None: never).
       max_input_s: bound of each session's input backlog (default 1 s realtime, 600 s otherwise);
         overflow drops the oldest samples.
       output_frames: bound of each session's output queue; a slow consumer loses its oldest.
@@ -384,7 +422,9 @@ class SessionManager:
         cache_bytes: int = 1 << 30,
         max_call_s: float | None = 3600.0,
         idle_timeout_s: float | None = 60.0,
-        late_wait_s: float = 0.010,
+        late_wait_s: float = 0.020,
+        input_slack_s: float = 0.16,
+        input_settle_s: float | None = 1.0,
         max_input_s: float | None = None,
         output_frames: int = 64,
         lossless: bool | None = None,
@@ -402,6 +442,10 @@ class SessionManager:
         self.max_call_frames = None if max_call_s is None else max(1, round(max_call_s / FRAME_SECONDS))
         self.idle_timeout_s = idle_timeout_s
         self.late_wait_s = late_wait_s
+        self.input_slack_frames = max(0, int(input_slack_s / FRAME_SECONDS + 1e-9))
+        self.input_settle_ticks = (
+            None if input_settle_s is None else max(1, round(input_settle_s / FRAME_SECONDS))
+        )
         if max_input_s is None:
             max_input_s = 1.0 if realtime else 600.0
         self.max_input_samples = max(FRAME_SIZE, round(max_input_s * SAMPLE_RATE))
@@ -428,6 +472,7 @@ class SessionManager:
         self._prepare_pool: ThreadPoolExecutor | None = None  # made by start(), ended by shutdown()
         self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
         self._active = np.zeros(n, bool)
+        self._recent_steps: deque[float] = deque(maxlen=25)  # engine.step seconds, last 2 s
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -636,7 +681,7 @@ class SessionManager:
                             self._cond.wait(timeout=next_tick - now)
                     if time.monotonic() < next_tick:
                         continue  # woke early for a join/close: handle it, then wait again
-                self._wait_for_late(running, next_tick + self.late_wait_s)
+                self._wait_for_late(running, next_tick + self._late_wait())
             elif not self._wait_for_inputs(running):
                 continue
             self._tick()
@@ -734,6 +779,14 @@ class SessionManager:
             ):
                 self._close(session, "idle")
 
+    def _late_wait(self) -> float:
+        """The wait for late input at this tick: `late_wait_s`, cut to what the engine's slowest
+        recent step leaves of the frame period (minus a tenth of it as margin), so waiting for
+        one late caller never makes the clock fall behind for everybody."""
+        slowest = max(self._recent_steps, default=0.0)
+        room = self.frame_period_s * 0.9 - slowest
+        return max(0.0, min(self.late_wait_s, room))
+
     def _wait_for_late(self, running: list[Session], until: float) -> None:
         """Realtime: give sessions that are streaming but short of a frame until `until`."""
         with self._cond:
@@ -787,7 +840,7 @@ class SessionManager:
         pcm, active = self._pcm_in, self._active
         pcm.fill(0.0)
         active.fill(False)
-        late = 0
+        late = trimmed = 0
         for session in running:
             frame = session._take_frame()
             if frame is not None:
@@ -797,9 +850,14 @@ class SessionManager:
                 with session._lock:
                     session._counts[key] += 1
                 late += key == "late_frames"
+            if self.realtime and session._had_input and not session._input_ended:
+                trimmed += session._trim_spare(self.input_slack_frames, self.input_settle_ticks)
             active[session.slot] = True
         if late:
             self.metrics.late_frames.inc(late)
+        if trimmed:
+            self.metrics.jitter_dropped_frames.inc(trimmed)
+            self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
         t0 = time.perf_counter()
         try:
             out = self.engine.step(pcm, active)
@@ -809,7 +867,9 @@ class SessionManager:
             for session in running:
                 self._close(session, "engine_error", EngineError(f"the engine failed: {exc}"))
             return
-        self.metrics.tick_seconds.observe(time.perf_counter() - t0)
+        step_s = time.perf_counter() - t0
+        self.metrics.tick_seconds.observe(step_s)
+        self._recent_steps.append(step_s)
         self.metrics.ticks.inc()
         dropped = 0
         for session in running:

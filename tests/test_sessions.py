@@ -389,7 +389,16 @@ async def _take(session: Session, n: int):
 async def test_realtime_slow_consumer_loses_only_its_own_oldest_frames(manager_factory):
     engine = LoopbackEngine(num_slots=2, delay_frames=0)
     keep = 8
-    manager = manager_factory(engine, realtime=True, frame_period_s=0.02, output_frames=keep, max_input_s=5.0)
+    # The input comes in one burst, not in real time: no jitter buffer trimming it.
+    manager = manager_factory(
+        engine,
+        realtime=True,
+        frame_period_s=0.02,
+        output_frames=keep,
+        max_input_s=5.0,
+        input_slack_s=5.0,
+        input_settle_s=None,
+    )
     reader = await manager.open(Persona())
     sleeper = await manager.open(Persona())
     await reader.ready()
