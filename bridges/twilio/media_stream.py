@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, EngineError, Persona
+from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, Persona
 
 from .audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
 from .pacing import CHUNK_S, FRAME_S, FrameJitter, MarkTracker, PlaybackClock, monotonic, percentile
@@ -256,7 +256,7 @@ class MediaStreamCall:
         except CapacityError:
             self._end("no free slot", hang_up=True)
             return
-        except (EngineError, asyncio.TimeoutError, Exception) as exc:
+        except Exception as exc:  # PersonaError, a prefill timeout or a bug: only this call ends
             log.warning("twilio %s: session could not start: %s", self.stream_sid, exc)
             self._end(f"session failed: {exc}", hang_up=True)
             return
