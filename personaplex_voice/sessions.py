@@ -12,7 +12,9 @@ ticks. Two clocks:
 
 - realtime (default): a tick every 80 ms. A session whose next input frame is missing at the
   tick (after a short bounded wait) gets a frame of silence, counted as late: the model keeps
-  real time for everybody.
+  real time for everybody. Each session's input is a small jitter buffer: whole frames queued
+  beyond what the ticks need (late audio that came after all) are dropped, at once beyond a
+  slack and otherwise once they went unused for a while, so lateness never adds lasting latency.
 - non-realtime (`realtime=False`, tests and offline): a tick runs as soon as every running
   session has a full frame buffered (or has ended its input), and by default waits for room in
   every output queue instead of dropping frames, so results are exact and repeatable.

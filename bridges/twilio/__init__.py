@@ -36,9 +36,6 @@ def mount(
     Raises `UserError` when the settings cannot work (no auth token while signatures are checked,
     an unreadable personas file).
     """
-    import gc
-    import sys
-
     from .bridge import TwilioBridge, build_router
     from .calls import CallControl
     from .personas import PersonaBook
@@ -46,14 +43,9 @@ def mount(
     settings = settings or TwilioSettings()
     settings.check()
     book = PersonaBook.load(settings.personas_file)
-    # A full garbage collection walks every object alive (FastAPI, pydantic, numpy, twilio...):
-    # ~50 ms on a small CPU, a pause every live call's 20 ms pacing feels at once (Twilio runs
-    # dry). Objects that exist by now live as long as the process: take them out of collection.
-    gc.freeze()
-    # The engine's frame clock runs on the inference thread; with many calls the event loop holds
-    # the GIL nearly all the time and the default 5 ms hand-over interval, paid several times per
-    # tick, made ticks ~50 ms late at 25 calls. 1 ms keeps them within the playout cushion.
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+    # Process-wide interpreter settings (gc.freeze, the GIL switch interval) that keep the pacing
+    # of every call on time are the server's job: its lifespan applies them once the engine is
+    # loaded (personaplex_voice.server.runtime).
     bridge = TwilioBridge(app, settings, CallControl(settings, http_client=http_client), book)
     app.state.twilio = bridge
     app.include_router(build_router(bridge))

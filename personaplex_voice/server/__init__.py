@@ -9,6 +9,7 @@
 | `protocol` | message kinds, encoders/decoders and `ChatParams` (reused by clients) |
 | `access` | API key and Origin checks |
 | `metrics` | Prometheus export of the manager's and the server's instruments |
-| `engine_loader` | the engine the settings ask for (echo without torch) |
+| `engine_loader` | the engine the settings ask for (echo without torch; dtype, threads, files) |
+| `runtime` | process-wide interpreter settings for realtime (gc.freeze, GIL switch interval) |
 | `static` | where `web/` is at runtime |
 """

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from personaplex_voice.server import access, metrics
+from personaplex_voice.server import access, metrics, runtime
 from personaplex_voice.server.chat import chat_endpoint
 from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.engine_loader import load_engine, warm_engine
@@ -47,6 +47,7 @@ def create_app(
         if manager is not None:
             await manager.start()
             _publish(app, manager, getattr(manager, "engine", None))
+            _tune_runtime(settings)
         else:
             loader = asyncio.create_task(_load(app, settings, on_load_error), name="engine-load")
         try:
@@ -123,7 +124,7 @@ async def _load(app: FastAPI, settings: ServerSettings, on_error: OnLoadError | 
         engine = await asyncio.to_thread(load_engine, settings, progress)
         progress("warming up the engine")
         await asyncio.to_thread(warm_engine, engine)
-        manager = SessionManager(engine, max_queue=settings.max_queue, realtime=True)
+        manager = SessionManager(engine, realtime=True, **settings.manager_options())
         await manager.start()
     except asyncio.CancelledError:
         raise
@@ -134,6 +135,7 @@ async def _load(app: FastAPI, settings: ServerSettings, on_error: OnLoadError | 
             on_error(exc)
         return
     _publish(app, manager, engine)
+    _tune_runtime(settings)
     status.update(state="ready", detail=f"ready in {time.monotonic() - started:.1f} s")
     log.info("%s: %s, %d session slot(s)", app.state.model_name, status["detail"], manager.capacity)
 
@@ -144,6 +146,13 @@ def _publish(app: FastAPI, manager: Any, engine: Any) -> None:
     if engine is not None and getattr(engine, "name", None):
         app.state.model_name = engine.name
     app.state.load_status.update(state="ready", detail="ready")
+
+
+def _tune_runtime(settings: ServerSettings) -> None:
+    """Once the engine is loaded (its objects exist, so they are frozen too): gc.freeze and the
+    short GIL switch interval, once per process."""
+    if settings.tune_runtime:
+        runtime.tune_for_realtime()
 
 
 def _manager_instruments(app: FastAPI) -> list[Any]:

@@ -14,6 +14,16 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from personaplex_voice.cli_options import (
+    DeviceOpt,
+    DtypeOpt,
+    MimiWeightOpt,
+    ModelOpt,
+    MoshiWeightOpt,
+    ThreadsOpt,
+    TokenizerOpt,
+    VoiceDirOpt,
+)
 from personaplex_voice.errors import UserError
 from personaplex_voice.server.config import ServerSettings
 
@@ -23,16 +33,14 @@ def serve(
         str | None, typer.Option(help="Interface to bind (env PERSONAPLEX_HOST; default 127.0.0.1)")
     ] = None,
     port: Annotated[int | None, typer.Option(help="TCP port (env PERSONAPLEX_PORT; default 8998)")] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="`demo`, a Hugging Face repo id or a local model dir "
-            "(env PERSONAPLEX_MODEL; default nvidia/personaplex-7b-v1)"
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="cuda, cuda:N, cpu or auto (env PERSONAPLEX_DEVICE)")
-    ] = None,
+    model: ModelOpt = None,  # type: ignore[assignment]  # None: PERSONAPLEX_MODEL or the default
+    moshi_weight: MoshiWeightOpt = None,
+    mimi_weight: MimiWeightOpt = None,
+    tokenizer: TokenizerOpt = None,
+    voice_prompt_dir: VoiceDirOpt = None,
+    device: DeviceOpt = None,  # type: ignore[assignment]
+    dtype: DtypeOpt = None,  # type: ignore[assignment]
+    threads: ThreadsOpt = None,  # type: ignore[assignment]
     max_sessions: Annotated[
         int | None,
         typer.Option(help="Concurrent conversations = batch slots (env PERSONAPLEX_MAX_SESSIONS; 4)"),
@@ -40,15 +48,31 @@ def serve(
     max_queue: Annotated[
         int | None, typer.Option(help="Callers that may wait for a free slot (env PERSONAPLEX_MAX_QUEUE; 0)")
     ] = None,
+    max_call_s: Annotated[
+        float | None,
+        typer.Option(help="End a call after this many seconds, 0 = never (env PERSONAPLEX_MAX_CALL_S; 3600)"),
+    ] = None,
+    idle_timeout_s: Annotated[
+        float | None,
+        typer.Option(
+            help="End a call after this many seconds without audio, 0 = never "
+            "(env PERSONAPLEX_IDLE_TIMEOUT_S; 60)"
+        ),
+    ] = None,
+    persona_cache_mb: Annotated[
+        float | None,
+        typer.Option(
+            help="Memory for prefilled personas (slot snapshots), 0 = off "
+            "(env PERSONAPLEX_PERSONA_CACHE_MB; 1024)"
+        ),
+    ] = None,
     ssl: Annotated[
         Path | None,
         typer.Option(help="Directory with cert.pem and key.pem: serve https/wss (env PERSONAPLEX_SSL)"),
     ] = None,
     voice_dir: Annotated[
         Path | None,
-        typer.Option(
-            help="Voice prompts (.pt or audio) to use instead of the model's (env PERSONAPLEX_VOICE_DIR)"
-        ),
+        typer.Option(help="Same as --voice-prompt-dir (env PERSONAPLEX_VOICE_DIR)"),
     ] = None,
     api_key: Annotated[
         str | None,
@@ -76,6 +100,11 @@ def serve(
 ) -> None:
     """Serve /api/chat, the browser client, health and metrics."""
     given = {name: value for name, value in locals().items() if value is not None}
+    alias = given.pop("voice_prompt_dir", None)
+    if alias is not None:
+        if given.get("voice_dir", alias) != alias:
+            raise UserError("--voice-dir and --voice-prompt-dir name different directories: give one")
+        given["voice_dir"] = alias
     try:
         settings = ServerSettings(**given)
     except ValidationError as exc:
@@ -123,7 +152,14 @@ def run_server(settings: ServerSettings) -> None:
             if not path.is_file():
                 raise UserError(f"--ssl {settings.ssl}: {path.name} not found (need cert.pem and key.pem)")
     if settings.voice_dir is not None and not settings.voice_dir.is_dir():
-        raise UserError(f"--voice-dir {settings.voice_dir}: not a directory")
+        raise UserError(f"--voice-prompt-dir {settings.voice_dir}: not a directory")
+    for flag, path in (
+        ("--moshi-weight", settings.moshi_weight),
+        ("--mimi-weight", settings.mimi_weight),
+        ("--tokenizer", settings.tokenizer),
+    ):
+        if path is not None and not path.is_file():
+            raise UserError(f"{flag} {path}: no such file")
 
     level = settings.log_level.upper()
     # The CLI set up warnings-only logging; a server wants its info lines, with timestamps.

@@ -7,7 +7,7 @@ user actually gave) > environment variables > the defaults below.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -30,6 +30,23 @@ class ServerSettings(BaseSettings):
     voice_dir: Path | None = Field(
         None, description="directory of voice prompts (.pt or audio) used instead of the model's"
     )
+    # Per-file replacements of the model's own files (as in `offline` and `voices`).
+    moshi_weight: Path | None = None
+    mimi_weight: Path | None = None
+    tokenizer: Path | None = None
+    # `auto` = float32 on CPU, bfloat16 on CUDA; or float32, bfloat16, float16.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # torch intra-op threads; 0 = auto (1 for tiny models, torch's default otherwise). Set it on a
+    # shared CPU so the server does not take every core from its neighbours.
+    threads: int = Field(0, ge=0, le=1024)
+    # Session limits: a call ends after this long, or after this long without audio (0 = never).
+    max_call_s: float = Field(3600.0, ge=0)
+    idle_timeout_s: float = Field(60.0, ge=0)
+    # Persona cache: slot snapshots after the system prompt, so a repeated persona skips the
+    # prefill. 0 disables it.
+    persona_cache_mb: float = Field(1024.0, ge=0)
+    # gc.freeze and a 1 ms GIL switch interval once the engine is loaded (server/runtime.py).
+    tune_runtime: bool = True
     api_key: SecretStr | None = None
     # Comma-separated list of allowed browser origins; empty or "*" allows every origin.
     allowed_origins: str = "*"
@@ -46,7 +63,7 @@ class ServerSettings(BaseSettings):
     def _empty_key_is_none(cls, value: object) -> object:
         return None if value in ("", None) else value
 
-    @field_validator("ssl", "voice_dir", mode="before")
+    @field_validator("ssl", "voice_dir", "moshi_weight", "mimi_weight", "tokenizer", mode="before")
     @classmethod
     def _empty_path_is_none(cls, value: object) -> object:
         return None if value in ("", None) else value
@@ -56,6 +73,15 @@ class ServerSettings(BaseSettings):
         """The allow-list, or [] when every origin is allowed."""
         items = [o.strip().rstrip("/") for o in self.allowed_origins.split(",") if o.strip()]
         return [] if not items or "*" in items else items
+
+    def manager_options(self) -> dict[str, Any]:
+        """The SessionManager keywords these settings give (0 limits mean none)."""
+        return {
+            "max_queue": self.max_queue,
+            "max_call_s": self.max_call_s or None,
+            "idle_timeout_s": self.idle_timeout_s or None,
+            "cache_bytes": round(self.persona_cache_mb * (1 << 20)),
+        }
 
     @property
     def scheme(self) -> str:

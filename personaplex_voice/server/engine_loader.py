@@ -24,16 +24,26 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
         progress(f"starting the echo engine ({settings.max_sessions} slots)")
         return LoopbackEngine(num_slots=settings.max_sessions, text_pieces=ECHO_TEXT)
 
+    from personaplex_voice.cli_options import configure_threads, parse_dtype, source_overrides
     from personaplex_voice.engine.factory import build_engine
 
     device = resolve_device(settings.device)
+    if settings.threads:  # before loading too: the load itself runs torch ops
+        configure_threads(settings.threads, None)
     progress(f"loading model {settings.model} on {device} ({settings.max_sessions} slots)")
-    overrides: dict[str, Any] = {}
-    if settings.voice_dir is not None:
-        overrides["voice_prompt_dir"] = settings.voice_dir
-    return build_engine(
-        settings.model, engine="model", num_slots=settings.max_sessions, device=device, **overrides
+    overrides = source_overrides(
+        settings.moshi_weight, settings.mimi_weight, settings.tokenizer, settings.voice_dir
     )
+    engine = build_engine(
+        settings.model,
+        engine="model",
+        num_slots=settings.max_sessions,
+        device=device,
+        dtype=parse_dtype(settings.dtype),
+        **{k: v for k, v in overrides.items() if v is not None},
+    )
+    configure_threads(settings.threads, engine)  # auto needs the model's size and device
+    return engine
 
 
 def resolve_device(device: str) -> str:
