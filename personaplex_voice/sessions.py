@@ -1,23 +1,15 @@
 """SessionManager and Session: the one API every transport uses to reach the engine.
 
-One manager per process owns one engine and one *inference thread*. Only that thread calls the
-engine's `start`, `snapshot`, `restore`, `step` and `release` (`prepare` runs in a worker
-thread from `open`). Transports live on any asyncio loop: they `push` audio into thread-safe
-bounded buffers and await frames that the inference thread hands over through
-`loop.call_soon_threadsafe`.
+One manager per process owns one engine. Its inference thread and frame clock are the engine
+layer's `personaplex_voice.engine.scheduler.Scheduler`; this module is the asyncio-facing side:
+admission and queueing, the per-session input and output buffers, and handing frames and state
+changes to whichever loop awaits them (`loop.call_soon_threadsafe`). `prepare` runs on the
+manager's one prepare thread from `open`.
 
-Each *tick* steps every running session in one batched `engine.step` with an active mask.
-Sessions join (system prompt prefill, or a restore from the persona cache) and leave between
-ticks. Two clocks:
-
-- realtime (default): a tick every 80 ms. A session whose next input frame is missing at the
-  tick (after a short bounded wait) gets a frame of silence, counted as late: the model keeps
-  real time for everybody. Each session's input is a small jitter buffer: whole frames queued
-  beyond what the ticks need (late audio that came after all) are dropped, at once beyond a
-  slack and otherwise once they went unused for a while, so lateness never adds lasting latency.
-- non-realtime (`realtime=False`, tests and offline): a tick runs as soon as every running
-  session has a full frame buffered (or has ended its input), and by default waits for room in
-  every output queue instead of dropping frames, so results are exact and repeatable.
+Transports live on any asyncio loop: they `push` audio into thread-safe bounded buffers and
+await frames. Realtime managers tick every 80 ms and feed silence for late input (with a small
+jitter buffer so lateness never adds lasting latency); non-realtime ones (tests, offline) tick
+as soon as every running session has a frame and lose nothing.
 
 See docs/sessions.md for the policies (late input, queueing, cache, limits, metrics).
 """
@@ -26,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import logging
 import threading
 import time
 import uuid
@@ -39,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from personaplex_voice.audio.framing import FrameBuffer
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
     SAMPLE_RATE,
@@ -46,16 +37,13 @@ from personaplex_voice.engine.base import (
     Engine,
     EngineError,
     Persona,
-    PersonaError,
     PreparedPersona,
-    StepOutput,
 )
 from personaplex_voice.engine.persona_cache import PersonaCache
+from personaplex_voice.engine.scheduler import FRAME_SECONDS, Scheduler, SlotClient, SlotState, SpareTrimmer
 from personaplex_voice.metrics import SessionMetrics
 
-log = logging.getLogger(__name__)
-
-FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
+_State = SlotState
 
 
 class SessionClosed(EngineError):
@@ -78,75 +66,6 @@ class OutFrame:
     text: str | None
     index: int  # 0, 1, 2... per session
     tokens: np.ndarray | None = None
-
-
-class _State(enum.Enum):
-    QUEUED = "queued"  # waiting for a free slot
-    JOINING = "joining"  # holds a slot; prefill or restore pending / running on the inference thread
-    RUNNING = "running"  # stepped every tick
-    CLOSED = "closed"
-
-
-class _SampleFifo:
-    """FIFO of float32 samples with a size bound; overflow drops the oldest samples."""
-
-    def __init__(self, max_samples: int):
-        self.max_samples = max_samples
-        self._chunks: deque[np.ndarray] = deque()
-        self._head = 0  # samples already consumed from _chunks[0]
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def push(self, x: np.ndarray) -> int:
-        """Append; returns how many of the oldest samples were dropped to stay in bound."""
-        if x.size:
-            self._chunks.append(x)
-            self._size += x.size
-        over = self._size - self.max_samples
-        if over > 0:
-            self._discard(over)
-            return over
-        return 0
-
-    def pop(self, n: int) -> np.ndarray | None:
-        """The next `n` samples, or None when fewer are buffered."""
-        if self._size < n:
-            return None
-        out = np.empty(n, np.float32)
-        filled = 0
-        while filled < n:
-            chunk = self._chunks[0]
-            take = min(n - filled, chunk.size - self._head)
-            out[filled : filled + take] = chunk[self._head : self._head + take]
-            filled += take
-            self._head += take
-            if self._head == chunk.size:
-                self._chunks.popleft()
-                self._head = 0
-        self._size -= n
-        return out
-
-    def drop_oldest(self, n: int) -> None:
-        """Discard the `n` oldest samples (at most what is buffered)."""
-        self._discard(min(n, self._size))
-
-    def clear(self) -> None:
-        self._chunks.clear()
-        self._head = 0
-        self._size = 0
-
-    def _discard(self, n: int) -> None:
-        while n > 0:
-            chunk = self._chunks[0]
-            take = min(n, chunk.size - self._head)
-            self._head += take
-            n -= take
-            self._size -= take
-            if self._head == chunk.size:
-                self._chunks.popleft()
-                self._head = 0
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -175,7 +94,7 @@ class Session:
         self._was_ready = False
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._input = _SampleFifo(manager.max_input_samples)
+        self._input = FrameBuffer(FRAME_SIZE, max_samples=manager.max_input_samples)
         self._out: deque[OutFrame] = deque()
         self._input_ended = False
         self._had_input = False  # a full frame was consumed at least once
@@ -191,10 +110,7 @@ class Session:
             "jitter_dropped_frames": 0,
             "dropped_pre_ready_samples": 0,
         }
-        # Realtime jitter buffer (inference thread only): ticks in a row that left at least one
-        # whole spare frame queued, and the fewest spare frames seen over those ticks.
-        self._spare_streak = 0
-        self._spare_floor = 0
+        self._spare = SpareTrimmer()  # realtime jitter buffer policy (inference thread only)
         self._prefill_s: float | None = None
         self._cache_hit: bool | None = None
         self._queue_wait_s: float | None = None
@@ -272,15 +188,14 @@ class Session:
             with self._lock:
                 self._counts["dropped_pre_ready_samples"] += x.size
             return
-        x = x.copy()  # the caller may reuse its buffer
-        with self._lock:
+        with self._lock:  # the buffer copies: the caller may reuse its array
             dropped = self._input.push(x)
             self._last_input = time.monotonic()
             if dropped:
                 self._counts["dropped_input_samples"] += dropped
         if dropped:
             manager.metrics.dropped_input_samples.inc(dropped)
-        manager._input_arrived()
+        manager._scheduler.input_arrived()
 
     def end_input(self) -> None:
         """No more audio will be pushed. A partial last frame is padded with zeros; once the
@@ -292,7 +207,7 @@ class Session:
             if partial:
                 self._input.push(np.zeros(FRAME_SIZE - partial, np.float32))
             self._input_ended = True
-        self._manager._input_arrived()
+        self._manager._scheduler.input_arrived()
 
     async def frames(self) -> AsyncIterator[OutFrame]:
         """Output frames as the engine makes them; ends when the session has ended and every
@@ -308,7 +223,7 @@ class Session:
                     frame = None
                     fut = self._add_waiter()
             if frame is not None:
-                self._manager._output_taken()
+                self._manager._scheduler.output_taken()
                 yield frame
             else:
                 await fut
@@ -324,7 +239,7 @@ class Session:
     def __repr__(self) -> str:
         return f"<Session {self.id} {self._state.value} slot={self.slot}>"
 
-    # ---- used by the manager (inference thread) ---------------------------------------------
+    # ---- asyncio plumbing (any thread) -------------------------------------------------------
 
     def _add_waiter(self) -> asyncio.Future:
         """A future resolved at the next state change or output frame. Call with `_lock` held."""
@@ -340,44 +255,49 @@ class Session:
                 loop.call_soon_threadsafe(_resolve, fut)
         self._waiters.clear()
 
+    # ---- the scheduler's side (engine.scheduler.SlotClient; inference thread) ---------------
+
+    @property
+    def _streaming(self) -> bool:
+        return self._had_input and not self._input_ended
+
+    def _has_frame(self) -> bool:
+        return len(self._input) >= FRAME_SIZE
+
     def _take_frame(self) -> np.ndarray | None:
         with self._lock:
-            frame = self._input.pop(FRAME_SIZE)
+            frame = self._input.pop()
             if frame is not None:
                 self._counts["frames_in"] += 1
                 self._had_input = True
             return frame
 
-    def _has_frame(self) -> bool:
-        return len(self._input) >= FRAME_SIZE
+    def _count_silence(self, late: bool) -> None:
+        with self._lock:
+            self._counts["late_frames" if late else "lead_in_frames"] += 1
 
     def _trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
         """Realtime jitter buffer, run by each tick after it took (or missed) this session's
-        frame. Whole frames still queued are *spare*: cushion against late input, but also
-        latency. Spare beyond `slack_frames` goes at once; spare that stayed queued through
-        `settle_ticks` ticks in a row was never needed and goes then. The oldest frames go, in
-        whole frames, so a client's frame phase is kept. Returns the frames dropped."""
+        frame: drops the spare whole frames `SpareTrimmer` gives up, oldest first, so a
+        client's frame phase is kept. Returns the frames dropped."""
         with self._lock:
-            spare = len(self._input) // FRAME_SIZE
-            drop = max(0, spare - slack_frames)
-            kept = spare - drop
-            if kept == 0:  # the cushion was used (or there was none): start over
-                self._spare_streak = 0
-            else:
-                self._spare_floor = kept if self._spare_streak == 0 else min(self._spare_floor, kept)
-                self._spare_streak += 1
-                if settle_ticks is not None and self._spare_streak >= settle_ticks:
-                    drop += self._spare_floor
-                    self._spare_streak = 0
+            drop = self._spare.frames_to_drop(len(self._input) // FRAME_SIZE, slack_frames, settle_ticks)
             if drop:
                 self._input.drop_oldest(drop * FRAME_SIZE)
                 self._counts["jitter_dropped_frames"] += drop
                 self._counts["dropped_input_samples"] += drop * FRAME_SIZE
             return drop
 
-    def _deliver(self, frame: OutFrame, max_frames: int) -> int:
+    def _output_backlog(self) -> int:
+        return len(self._out)
+
+    def _frames_out(self) -> int:
+        return self._counts["frames_out"]
+
+    def _deliver(self, pcm: np.ndarray, text: str | None, tokens: np.ndarray | None, max_frames: int) -> int:
         """Queue an output frame; drop the oldest beyond `max_frames`. Returns frames dropped."""
         with self._lock:
+            frame = OutFrame(pcm=pcm, text=text, index=self._counts["frames_out"], tokens=tokens)
             dropped = 0
             while len(self._out) >= max_frames:
                 self._out.popleft()
@@ -388,9 +308,19 @@ class Session:
             self._wake()
             return dropped
 
+    def _joined(self, seconds: float, cache_hit: bool) -> None:
+        self._prefill_s = seconds
+        self._cache_hit = cache_hit
+
+    def _became_ready(self) -> None:
+        with self._lock:
+            self._was_ready = True
+            self._wake()
+
 
 class SessionManager:
-    """Admission, the inference thread and the tick loop around one engine. One per process.
+    """Admission, queueing and the sessions around one engine and its scheduler (the inference
+    thread and frame clock, `engine.scheduler.Scheduler`). One per process.
 
     Options:
       max_queue: 0 refuses opens when every slot is taken (CapacityError with retry_after_s);
@@ -459,22 +389,30 @@ class SessionManager:
         self.metrics = SessionMetrics.create()
         self.cache = PersonaCache(cache_bytes)
 
-        n = engine.num_slots
-        self._cond = threading.Condition()
-        self._slots: list[Session | None] = [None] * n
+        self._scheduler = Scheduler(
+            engine,
+            metrics=self.metrics,
+            cache=self.cache,
+            close=self._close,
+            close_all=self._close_all,
+            realtime=realtime,
+            lossless=self.lossless,
+            frame_period_s=frame_period_s,
+            max_catchup_ticks=max_catchup_ticks,
+            late_wait_s=late_wait_s,
+            input_slack_frames=self.input_slack_frames,
+            input_settle_ticks=self.input_settle_ticks,
+            output_frames=output_frames,
+            max_call_frames=self.max_call_frames,
+            idle_timeout_s=idle_timeout_s,
+        )
+        # One lock for the slot table (the scheduler's) and the queue: admission moves sessions
+        # between them atomically.
+        self._cond = self._scheduler.cond
         self._queue: list[Session] = []
-        self._joining: deque[Session] = deque()
-        self._to_release: set[int] = set()
         self._sessions: dict[str, Session] = {}
-        self._want_input = False  # the inference thread waits for pushes
-        self._want_room = False  # the inference thread waits for consumers (lossless mode)
-        self._stopping = False
         self._shut_down = False  # open() does not restart a manager that was shut down
-        self._thread: threading.Thread | None = None
         self._prepare_pool: ThreadPoolExecutor | None = None  # made by start(), ended by shutdown()
-        self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
-        self._active = np.zeros(n, bool)
-        self._recent_steps: deque[float] = deque(maxlen=25)  # engine.step seconds, last 2 s
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -485,7 +423,7 @@ class SessionManager:
     @property
     def active_count(self) -> int:
         """Sessions holding a slot (joining or running)."""
-        return sum(s is not None for s in self._slots)
+        return self._scheduler.held_count
 
     @property
     def queued_count(self) -> int:
@@ -500,15 +438,14 @@ class SessionManager:
     async def start(self) -> None:
         """Start the inference thread (idempotent; also restarts a manager after `shutdown`)."""
         with self._cond:
-            if self._thread is not None and self._thread.is_alive():
+            if self._scheduler.alive:
                 return
-            self._stopping = self._shut_down = False
+            self._shut_down = False
             if self._prepare_pool is None:
                 self._prepare_pool = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="personaplex-prepare"
                 )
-            self._thread = threading.Thread(target=self._run, name="personaplex-inference", daemon=True)
-            self._thread.start()
+            self._scheduler.start()
 
     async def open(self, persona: Persona) -> Session:
         """Admit a conversation. Returns at once (prefill happens on the inference thread; await
@@ -526,7 +463,7 @@ class SessionManager:
         with self._cond:
             self._check_capacity()
             self._sessions[session.id] = session
-            slot = self._free_slot()
+            slot = self._scheduler.free_slot()
             if slot is not None and not self._queue:
                 self._assign(session, slot)
             else:
@@ -540,9 +477,8 @@ class SessionManager:
     async def shutdown(self) -> None:
         """Close every session (reason "shutdown") and stop the inference thread."""
         with self._cond:
-            self._stopping = self._shut_down = True  # from here on, open() refuses
-            self._cond.notify_all()
-            thread = self._thread
+            self._shut_down = True
+            thread = self._scheduler.request_stop()  # from here on, open() refuses
             pool, self._prepare_pool = self._prepare_pool, None
         for session in self.sessions:
             self._close(session, "shutdown")
@@ -554,9 +490,9 @@ class SessionManager:
     # ---- admission (callers hold self._cond) ------------------------------------------------
 
     def _check_capacity(self) -> None:
-        if self._stopping:
+        if self._scheduler.stopping:
             raise EngineError("the session manager is shutting down")
-        if self._free_slot() is not None and not self._queue:
+        if self._scheduler.free_slot() is not None and not self._queue:
             return
         if len(self._queue) < self.max_queue:
             return
@@ -569,24 +505,15 @@ class SessionManager:
             retry_after_s=self.retry_after_s,
         )
 
-    def _free_slot(self) -> int | None:
-        for i, holder in enumerate(self._slots):
-            if holder is None:
-                return i
-        return None
-
     def _assign(self, session: Session, slot: int) -> None:
-        session.slot = slot
-        session._state = _State.JOINING
         session.queue_position = None
         session._queue_wait_s = time.monotonic() - session._opened_at
-        self._slots[slot] = session
-        self._joining.append(session)
+        self._scheduler.assign(session, slot)
 
     def _admit_from_queue(self) -> None:
         moved = False
         while self._queue:
-            slot = self._free_slot()
+            slot = self._scheduler.free_slot()
             if slot is None:
                 break
             self._assign(self._queue.pop(0), slot)
@@ -614,13 +541,7 @@ class SessionManager:
                 for i, waiting in enumerate(self._queue):
                     waiting.queue_position = i + 1
                 session.queue_position = None
-            elif session.slot is not None and self._slots[session.slot] is session:
-                # The slot is free for admission now; the inference thread calls
-                # engine.release before anything else runs in it.
-                self._slots[session.slot] = None
-                self._to_release.add(session.slot)
-                if previous is _State.JOINING and session in self._joining:
-                    self._joining.remove(session)
+            elif self._scheduler.vacate(session):  # the slot is free for admission now
                 self._admit_from_queue()
             self._sessions.pop(session.id, None)
             session._prepared = None
@@ -631,269 +552,24 @@ class SessionManager:
             session._input.clear()
             session._wake()
 
-    # ---- wake-ups from transports -----------------------------------------------------------
+    def _close_all(self, reason: str, error: BaseException) -> None:
+        """The inference thread died: end every session, queued ones too."""
+        for session in self.sessions:
+            self._close(session, reason, error)
 
-    def _input_arrived(self) -> None:
-        if self._want_input:
-            with self._cond:
-                self._cond.notify_all()
+    # ---- private views kept for tests and benches ---------------------------------------------
 
-    def _output_taken(self) -> None:
-        if self._want_room:
-            with self._cond:
-                self._cond.notify_all()
+    @property
+    def _joining(self) -> deque[SlotClient]:
+        return self._scheduler.joining
 
-    # ---- inference thread -------------------------------------------------------------------
+    @property
+    def _to_release(self) -> set[int]:
+        return self._scheduler.to_release
 
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException:  # keep no session waiting on a dead thread
-            log.exception("inference thread crashed")
-            for session in self.sessions:
-                self._close(session, "engine_error", EngineError("the inference thread crashed"))
-        finally:
-            self._release_pending()
-            for slot, holder in enumerate(self._slots):
-                if holder is None:
-                    continue
-                self._safe_release(slot)
-
-    def _loop(self) -> None:
-        next_tick: float | None = None
-        while True:
-            deadline = next_tick if (self.realtime and next_tick is not None) else None
-            self._control(deadline)
-            with self._cond:
-                if self._stopping:
-                    return
-                running = self._running()
-                if not running:
-                    next_tick = None
-                    if not self._joining and not self._to_release:
-                        self._cond.wait(timeout=0.5)
-                    continue
-            if self.realtime:
-                now = time.monotonic()
-                if next_tick is None:
-                    next_tick = now
-                if now < next_tick:
-                    with self._cond:
-                        if not self._joining and not self._to_release and not self._stopping:
-                            self._cond.wait(timeout=next_tick - now)
-                    if time.monotonic() < next_tick:
-                        continue  # woke early for a join/close: handle it, then wait again
-                self._wait_for_late(running, next_tick + self._late_wait())
-            elif not self._wait_for_inputs(running):
-                continue
-            self._tick()
-            if self.realtime:
-                next_tick += self.frame_period_s
-                behind = time.monotonic() - next_tick
-                if behind > self.max_catchup_ticks * self.frame_period_s:
-                    self.metrics.tick_overruns.inc()
-                    next_tick = time.monotonic()
-
-    def _running(self) -> list[Session]:
-        return [s for s in self._slots if s is not None and s._state is _State.RUNNING]
-
-    def _control(self, deadline: float | None) -> None:
-        """Between ticks: release freed slots, start joiners (at least one, then as many as fit
-        before `deadline`), end sessions past their limits."""
-        self._release_pending()
-        first = True
-        while True:
-            with self._cond:
-                if not self._joining or self._stopping:
-                    break
-                if not first and deadline is not None and time.monotonic() >= deadline:
-                    break
-                session = self._joining.popleft()
-            first = False
-            self._join(session)
-            self._release_pending()
-        self._enforce_limits()
-
-    def _release_pending(self) -> None:
-        with self._cond:
-            slots, self._to_release = self._to_release, set()
-        for slot in sorted(slots):
-            self._safe_release(slot)
-
-    def _safe_release(self, slot: int) -> None:
-        try:
-            self.engine.release(slot)
-        except Exception:
-            log.exception("engine.release(%d) failed", slot)
-            self.metrics.engine_errors.inc(label="release")
-
-    def _join(self, session: Session) -> None:
-        """Prefill (or restore) a joining session's slot; fail only this session on error."""
-        prepared, slot = session._prepared, session.slot
-        if prepared is None or slot is None or session._state is not _State.JOINING:
-            return
-        key = prepared.cache_key
-        snapshot = self.cache.get(key) if self.cache.enabled else None
-        t0 = time.perf_counter()
-        try:
-            if snapshot is not None:
-                self.engine.restore(slot, snapshot, prepared)
-                self.metrics.restore_seconds.observe(time.perf_counter() - t0)
-                self.metrics.cache_hits.inc()
-            else:
-                self.engine.start(slot, prepared)
-                self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
-                self.metrics.cache_misses.inc()
-                if self.cache.enabled:
-                    self.metrics.cache_evictions.inc(self.cache.put(key, self.engine.snapshot(slot)))
-                    self.metrics.cache_bytes.set(self.cache.nbytes)
-                    self.metrics.cache_entries.set(len(self.cache))
-        except PersonaError as exc:
-            self._close(session, "persona_error", exc)
-            return
-        except Exception as exc:
-            log.exception("engine failed to start slot %d", slot)
-            self.metrics.engine_errors.inc(label="start")
-            self._close(session, "engine_error", EngineError(f"the engine failed to start: {exc}"))
-            return
-        session._prefill_s = time.perf_counter() - t0
-        session._cache_hit = snapshot is not None
-        with self._cond:
-            if session._state is not _State.JOINING or self._slots[slot] is not session:
-                return  # closed during the prefill; its slot is already queued for release
-            session._state = _State.RUNNING
-            session._last_input = time.monotonic()
-        with session._lock:
-            session._was_ready = True
-            session._wake()
-
-    def _enforce_limits(self) -> None:
-        now = time.monotonic()
-        for session in self._running():
-            if session._input_ended and not session._has_frame():
-                self._close(session, "input_ended")
-            elif self.max_call_frames is not None and session._counts["frames_out"] >= self.max_call_frames:
-                self._close(session, "max_duration")
-            elif (
-                self.idle_timeout_s is not None
-                and now - session._last_input > self.idle_timeout_s
-                and not session._has_frame()  # input waiting to be stepped is not idleness
-            ):
-                self._close(session, "idle")
+    @property
+    def _recent_steps(self) -> deque[float]:
+        return self._scheduler.recent_steps
 
     def _late_wait(self) -> float:
-        """The wait for late input at this tick: `late_wait_s`, cut to what the engine's slowest
-        recent step leaves of the frame period (minus a tenth of it as margin), so waiting for
-        one late caller never makes the clock fall behind for everybody."""
-        slowest = max(self._recent_steps, default=0.0)
-        room = self.frame_period_s * 0.9 - slowest
-        return max(0.0, min(self.late_wait_s, room))
-
-    def _wait_for_late(self, running: list[Session], until: float) -> None:
-        """Realtime: give sessions that are streaming but short of a frame until `until`."""
-        with self._cond:
-            self._want_input = True
-            try:
-                while not self._stopping:
-                    late = [
-                        s
-                        for s in running
-                        if s._state is _State.RUNNING
-                        and s._had_input
-                        and not s._input_ended
-                        and not s._has_frame()
-                    ]
-                    remaining = until - time.monotonic()
-                    if not late or remaining <= 0:
-                        return
-                    self._cond.wait(timeout=remaining)
-            finally:
-                self._want_input = False
-
-    def _wait_for_inputs(self, running: list[Session]) -> bool:
-        """Non-realtime: True when every running session has a frame (and, lossless, room for
-        its output). Otherwise waits a little for pushes and returns False to recheck."""
-        with self._cond:
-            self._want_input = self._want_room = True
-            try:
-                if self._stopping or self._joining or self._to_release:
-                    return False
-                for s in running:
-                    if s._state is not _State.RUNNING:
-                        return False
-                    if not s._has_frame():
-                        if s._input_ended:
-                            return False  # it ends in _control
-                        self._cond.wait(timeout=0.1)
-                        return False
-                    if self.lossless and len(s._out) >= self.output_frames:
-                        self._cond.wait(timeout=0.1)
-                        return False
-                return True
-            finally:
-                self._want_input = self._want_room = False
-
-    def _tick(self) -> None:
-        """One batched step of every running session."""
-        with self._cond:
-            running = self._running()
-        if not running:
-            return
-        pcm, active = self._pcm_in, self._active
-        pcm.fill(0.0)
-        active.fill(False)
-        late = trimmed = 0
-        for session in running:
-            frame = session._take_frame()
-            if frame is not None:
-                pcm[session.slot] = frame
-            else:
-                key = "late_frames" if session._had_input and not session._input_ended else "lead_in_frames"
-                with session._lock:
-                    session._counts[key] += 1
-                late += key == "late_frames"
-            if self.realtime and session._had_input and not session._input_ended:
-                trimmed += session._trim_spare(self.input_slack_frames, self.input_settle_ticks)
-            active[session.slot] = True
-        if late:
-            self.metrics.late_frames.inc(late)
-        if trimmed:
-            self.metrics.jitter_dropped_frames.inc(trimmed)
-            self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
-        t0 = time.perf_counter()
-        try:
-            out = self.engine.step(pcm, active)
-        except Exception as exc:
-            log.exception("engine.step failed")
-            self.metrics.engine_errors.inc(label="step")
-            for session in running:
-                self._close(session, "engine_error", EngineError(f"the engine failed: {exc}"))
-            return
-        step_s = time.perf_counter() - t0
-        self.metrics.tick_seconds.observe(step_s)
-        self._recent_steps.append(step_s)
-        self.metrics.ticks.inc()
-        dropped = 0
-        for session in running:
-            slot = session.slot
-            if slot is None or self._slots[slot] is not session or session._state is not _State.RUNNING:
-                continue  # closed during the step
-            frame = OutFrame(
-                pcm=np.array(out.pcm[slot], dtype=np.float32),
-                text=out.text[slot],
-                index=session._counts["frames_out"],
-                tokens=_tokens_of(out, slot),
-            )
-            dropped += session._deliver(frame, self.output_frames)
-        if dropped:
-            self.metrics.dropped_output_frames.inc(dropped)
-        self._enforce_limits()
-
-
-def _tokens_of(out: StepOutput, slot: int) -> np.ndarray | None:
-    if out.text_tokens is None:
-        return None
-    text = np.asarray(out.text_tokens[slot], np.int64).reshape(1)
-    if out.audio_tokens is None:
-        return text
-    return np.concatenate([text, np.asarray(out.audio_tokens[slot], np.int64).reshape(-1)])
+        return self._scheduler.late_wait()

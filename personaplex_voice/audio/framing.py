@@ -13,12 +13,19 @@ __all__ = ["ChunkBuffer", "FrameBuffer"]
 
 
 class FrameBuffer:
-    """FIFO of float32 samples that hands them out in frames of exactly ``frame_size``."""
+    """FIFO of float32 samples that hands them out in frames of exactly ``frame_size``.
 
-    def __init__(self, frame_size: int) -> None:
+    With ``max_samples`` it is bounded: a push beyond the bound drops the oldest samples (the
+    newest audio is what a live call needs) and returns how many it dropped.
+    """
+
+    def __init__(self, frame_size: int, max_samples: int | None = None) -> None:
         if frame_size <= 0:
             raise ValueError(f"frame_size must be positive, got {frame_size}")
+        if max_samples is not None and max_samples < 0:
+            raise ValueError(f"max_samples must be >= 0, got {max_samples}")
         self.frame_size = frame_size
+        self.max_samples = max_samples
         self._data = np.zeros(4 * frame_size, dtype=np.float32)
         self._start = 0  # first waiting sample in _data
         self._end = 0  # one past the last waiting sample
@@ -27,8 +34,16 @@ class FrameBuffer:
         """Samples waiting (including a partial frame)."""
         return self._end - self._start
 
-    def push(self, x: np.ndarray) -> None:
+    def push(self, x: np.ndarray) -> int:
+        """Append (a copy of) ``x``; returns the oldest samples dropped to stay within ``max_samples``."""
         x = np.asarray(x, dtype=np.float32).reshape(-1)
+        dropped = 0
+        if self.max_samples is not None:
+            dropped = max(0, len(self) + len(x) - self.max_samples)
+            if dropped:
+                from_waiting = min(dropped, len(self))
+                self.drop_oldest(from_waiting)
+                x = x[dropped - from_waiting :]  # the push alone is over the bound: keep its tail
         if self._end + len(x) > len(self._data):
             waiting = self._data[self._start : self._end]
             capacity = max(len(self._data), 2 * (len(waiting) + len(x)))
@@ -37,6 +52,7 @@ class FrameBuffer:
             self._data, self._start, self._end = data, 0, len(waiting)
         self._data[self._end : self._end + len(x)] = x
         self._end += len(x)
+        return dropped
 
     def pop(self) -> np.ndarray | None:
         """The next full frame (a fresh array), or None while fewer than ``frame_size`` samples wait."""
@@ -66,6 +82,14 @@ class FrameBuffer:
         if self._start == self._end:
             self._start = self._end = 0
         return frame
+
+    def drop_oldest(self, n: int) -> int:
+        """Discard up to ``n`` of the oldest samples; returns how many went."""
+        n = max(0, min(n, len(self)))
+        self._start += n
+        if self._start == self._end:
+            self._start = self._end = 0
+        return n
 
     def clear(self) -> None:
         self._start = self._end = 0
