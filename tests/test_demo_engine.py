@@ -73,3 +73,26 @@ def test_demo_codec_answers_at_speech_level(engine) -> None:
 
     codes = engine.encode_audio(synthetic_voice(150.0, seconds=1.0))
     assert len({tuple(row) for row in codes.tolist()}) > codes.shape[0] // 2
+
+
+def test_a_mimi_without_weights_is_a_reproducible_toy_codec() -> None:
+    """The model layer tunes any weightless Mimi itself: no engine, no demo code involved."""
+    from personaplex_voice.engine.demo import demo_config, synthetic_voice
+    from personaplex_voice.model.loaders import load_mimi
+    from personaplex_voice.model.streaming import StepContext
+
+    cfg = demo_config()
+    pcm = torch.from_numpy(synthetic_voice(150.0, seconds=1.0)[: 12 * 1920]).view(1, 1, -1)
+    codes = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        mimi = load_mimi(cfg, None)
+        codes.append(mimi.encode(pcm, StepContext(mimi.init_state(1)))[0].T)
+    assert torch.equal(codes[0], codes[1])  # the global seed fixes the codec
+    assert not torch.equal(codes[0], codes[2])
+    assert len({tuple(row) for row in codes[0].tolist()}) > codes[0].shape[0] // 2
+    # and its codes decode to speech-level sound that follows them
+    babble = mimi.decode(codes[2].T[None], StepContext(mimi.init_state(1)))[0, 0, 4 * 1920 :]
+    other = mimi.decode(codes[2].T[None].roll(1, -1), StepContext(mimi.init_state(1)))[0, 0, 4 * 1920 :]
+    assert 0.01 < float(babble.std()) < 0.5
+    assert float((babble - other).std()) > 0.5 * float(babble.std())

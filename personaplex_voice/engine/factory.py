@@ -58,14 +58,12 @@ def build_engine(
     try:
         if not files.is_demo:
             return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
-        from personaplex_voice.engine.demo import DEMO_NOTICE, seeded_weights, tune_codec
+        from personaplex_voice.engine.demo import DEMO_NOTICE, seeded_weights
 
         log.warning(DEMO_NOTICE)
         # Random init under a fixed seed: the demo babbles the same way on every start.
         with seeded_weights(device):
-            built = PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
-            tune_codec(built.mimi)
-        return built
+            return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
     except (ValueError, TypeError) as exc:
         # The engine refuses a config or an option (other frame rate, unknown keyword...).
         raise UserError(f"cannot run model {files.name}: {exc}") from None

@@ -48,6 +48,65 @@ class MimiConfig:
         return hop
 
     @classmethod
+    def published_layout(
+        cls,
+        *,
+        dimension: int,
+        n_filters: int,
+        codebook_dimension: int,
+        n_q: int,
+        transformer_heads: int,
+        transformer_layers: int,
+        transformer_feedforward: int,
+        num_codebooks: int = 8,
+    ) -> MimiConfig:
+        """The published Mimi at the given sizes: causal SEANet with strides 8, 6, 5, 4 (24 kHz ->
+        25 Hz latents of `dimension`), split RVQ of `n_q` codebooks of 2048 bins in
+        `codebook_dimension`, and rope transformers of `dimension` (the 7B's and the demo's Mimi)."""
+        seanet = {
+            "channels": 1,
+            "dimension": dimension,
+            "causal": True,
+            "n_filters": n_filters,
+            "n_residual_layers": 1,
+            "activation": "ELU",
+            "compress": 2,
+            "dilation_base": 2,
+            "disable_norm_outer_blocks": 0,
+            "kernel_size": 7,
+            "residual_kernel_size": 3,
+            "last_kernel_size": 3,
+            "norm": "none",
+            "pad_mode": "constant",
+            "ratios": [8, 6, 5, 4],
+            "true_skip": True,
+        }
+        quantizer = {
+            "dimension": codebook_dimension,
+            "n_q": n_q,
+            "bins": 2048,
+            "input_dimension": dimension,
+            "output_dimension": dimension,
+        }
+        transformer = {
+            "d_model": dimension,
+            "num_heads": transformer_heads,
+            "num_layers": transformer_layers,
+            "causal": True,
+            "layer_scale": 0.01,
+            "context": 250,
+            "conv_layout": True,
+            "max_period": 10000,
+            "gating": "none",
+            "norm": "layer_norm",
+            "positional_embedding": "rope",
+            "dim_feedforward": transformer_feedforward,
+            "input_dimension": dimension,
+            "output_dimensions": [dimension],
+        }
+        return cls(seanet=seanet, quantizer=quantizer, transformer=transformer, num_codebooks=num_codebooks)
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MimiConfig:
         for key in ("seanet", "quantizer", "transformer"):
             if not isinstance(d.get(key), dict):
@@ -172,6 +231,7 @@ class ModelConfig:
         return cfg
 
     def validate(self) -> None:
+        self.lm.validate()
         if self.frame_size * self.frame_rate != self.sample_rate:
             raise ValueError("sample_rate / frame_rate must be an integer frame size")
         if self.frame_size % self.mimi.hop_length:
@@ -204,50 +264,13 @@ class ModelConfig:
     @classmethod
     def personaplex_7b(cls) -> ModelConfig:
         """The published nvidia/personaplex-7b-v1 architecture (dep_q = 16, as its loader sets)."""
-        seanet = {
-            "channels": 1,
-            "dimension": 512,
-            "causal": True,
-            "n_filters": 64,
-            "n_residual_layers": 1,
-            "activation": "ELU",
-            "compress": 2,
-            "dilation_base": 2,
-            "disable_norm_outer_blocks": 0,
-            "kernel_size": 7,
-            "residual_kernel_size": 3,
-            "last_kernel_size": 3,
-            "norm": "none",
-            "pad_mode": "constant",
-            "ratios": [8, 6, 5, 4],
-            "true_skip": True,
-        }
-        quantizer = {
-            "dimension": 256,
-            "n_q": 32,
-            "bins": 2048,
-            "input_dimension": 512,
-            "output_dimension": 512,
-        }
-        transformer = {
-            "d_model": 512,
-            "num_heads": 8,
-            "num_layers": 8,
-            "causal": True,
-            "layer_scale": 0.01,
-            "context": 250,
-            "conv_layout": True,
-            "max_period": 10000,
-            "gating": "none",
-            "norm": "layer_norm",
-            "positional_embedding": "rope",
-            "dim_feedforward": 2048,
-            "input_dimension": 512,
-            "output_dimensions": [512],
-        }
-        return cls(
-            mimi=MimiConfig(seanet=seanet, quantizer=quantizer, transformer=transformer, num_codebooks=8),
-            lm=LMConfig(),
-            lm_dtype_in_file="bfloat16",
-            text_tokenizer="tokenizer_spm_32k_3.model",
+        mimi = MimiConfig.published_layout(
+            dimension=512,
+            n_filters=64,
+            codebook_dimension=256,
+            n_q=32,
+            transformer_heads=8,
+            transformer_layers=8,
+            transformer_feedforward=2048,
         )
+        return cls(mimi=mimi, lm=LMConfig(), text_tokenizer="tokenizer_spm_32k_3.model")

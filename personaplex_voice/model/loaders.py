@@ -18,6 +18,7 @@ from personaplex_voice.errors import UserError
 from personaplex_voice.model.config import ModelConfig
 from personaplex_voice.model.lm import LMModel
 from personaplex_voice.model.mimi import Mimi
+from personaplex_voice.model.random_init import init_random_mimi
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +100,23 @@ def _expand_half_depformer(lm: LMModel, weights: dict[str, torch.Tensor]) -> Non
 
 
 def load_mimi(cfg: ModelConfig, path: str | Path | None, device: str | torch.device = "cpu") -> Mimi:
-    """Mimi in float32 on `device`; `path` None = random weights (the demo model)."""
+    """Mimi in float32 on `device`.
+
+    `path` None = random weights from the global RNG (seed it for a reproducible codec), tuned by
+    `random_init.init_random_mimi` into a toy codec that maps varied input to varied codes and
+    codes to speech-level sound (the demo model).
+    """
     if path is None:
         with torch.device(device):
             model = Mimi(cfg)
-            with torch.no_grad():  # random codebooks, so random codes decode to varied audio
-                for name, buf in model.named_buffers():
-                    if name.endswith("embedding_sum"):
-                        buf.normal_()
     else:
         model = Mimi(cfg)
         weights = _read_safetensors(Path(path), "Mimi")
         _check_and_load(model, weights, Path(path), "Mimi")
     model = model.to(device=device, dtype=torch.float32).eval()
     model.refresh()
+    if path is None:
+        init_random_mimi(model)
     return model
 
 

@@ -66,11 +66,16 @@ class Mimi(nn.Module):
     @torch.no_grad()
     def encode(self, pcm: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """pcm [B, 1, n * frame_size] -> codes [B, num_codebooks, n]."""
+        return self.quantizer.encode(self.encode_latents(pcm, ctx))
+
+    @torch.no_grad()
+    def encode_latents(self, pcm: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """pcm [B, 1, n * frame_size] -> the latents [B, dim, n] the quantizer turns into codes."""
         emb = self.encoder(pcm, ctx)
         emb = self.encoder_transformer(emb, ctx)
         if self.downsample is not None:
             emb = self.downsample.conv(emb, ctx)
-        return self.quantizer.encode(emb)
+        return emb
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor, ctx: StepContext) -> torch.Tensor:

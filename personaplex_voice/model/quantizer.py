@@ -39,6 +39,13 @@ class EuclideanCodebook(nn.Module):
         emb_norm = emb.pow(2).sum(-1, keepdim=True)
         self._padded = torch.cat([emb, torch.ones_like(emb_norm), emb_norm], -1)
 
+    @torch.no_grad()
+    def set_centroids(self, centroids: torch.Tensor) -> None:
+        """Make `centroids` [bins, dim] the codebook vectors (random init: no weights file)."""
+        self.embedding_sum.copy_(centroids)
+        self.cluster_usage.fill_(1.0)
+        self.refresh()
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> codes [N] (nearest centroid), the same distances as torch.cdist."""
         if self._embedding is None or self._embedding.device != self.embedding_sum.device:
@@ -81,6 +88,11 @@ class ResidualVectorQuantizer(nn.Module):
         )
         self.vq = _RVQ(dimension, bins, n_q)
 
+    @property
+    def codebooks(self) -> list[EuclideanCodebook]:
+        """The codebooks in residual order (stored as `vq.layers.N._codebook`, the published keys)."""
+        return [layer._codebook for layer in self.vq.layers]
+
     def encode(self, x: torch.Tensor, n_q: int) -> torch.Tensor:
         """x [B, C, T] -> codes [B, n_q, T]."""
         x = self.input_proj(x)
@@ -117,6 +129,11 @@ class SplitResidualVectorQuantizer(nn.Module):
         self.num_codebooks = num_codebooks
         self.rvq_first = ResidualVectorQuantizer(n_q=n_q_semantic, **kwargs)
         self.rvq_rest = ResidualVectorQuantizer(n_q=n_q - n_q_semantic, **kwargs)
+
+    @property
+    def halves(self) -> tuple[ResidualVectorQuantizer, ResidualVectorQuantizer]:
+        """The semantic and the acoustic quantizer: each projects and quantizes the same input."""
+        return self.rvq_first, self.rvq_rest
 
     def refresh(self) -> None:
         for module in self.modules():
