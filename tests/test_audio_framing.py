@@ -39,6 +39,40 @@ def test_frames_are_exact_and_in_order(pushes, frame_size):
     assert len(buf) == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(pushes=sizes, bound=st.integers(min_value=0, max_value=6000), pop_every=st.integers(1, 4))
+def test_bounded_buffer_keeps_the_newest_samples_and_counts_drops(pushes, bound, pop_every):
+    """With max_samples, the buffer never holds more than the bound, what it hands out is always
+    the newest audio in order, and every sample is either popped, waiting or counted as dropped."""
+    buf = FrameBuffer(160, max_samples=bound)
+    x = np.arange(sum(pushes), dtype=np.float32)
+    popped, dropped, start = [], 0, 0
+    for i, n in enumerate(pushes):
+        dropped += buf.push(x[start : start + n])
+        start += n
+        assert len(buf) <= bound
+        if i % pop_every == 0:
+            popped += buf.pop_all()
+    popped += buf.pop_all()
+    waiting = len(buf)
+    assert sum(len(f) for f in popped) + waiting + dropped == len(x)
+    joined = np.concatenate([*popped, np.zeros(0, np.float32)])
+    assert np.all(np.diff(joined) > 0)  # in order, nothing repeated
+    if waiting:  # what waits is the newest input
+        tail = buf.pop_padded()
+        np.testing.assert_array_equal(tail[: min(waiting, 160)], x[len(x) - waiting :][:160])
+
+
+def test_drop_oldest_discards_from_the_front():
+    buf = FrameBuffer(4)
+    buf.push(np.arange(10, dtype=np.float32))
+    buf.drop_oldest(3)
+    assert len(buf) == 7
+    np.testing.assert_array_equal(buf.pop(), [3, 4, 5, 6])
+    buf.drop_oldest(100)
+    assert len(buf) == 0 and buf.pop() is None
+
+
 def test_popped_frames_are_not_views_of_the_buffer():
     buf = FrameBuffer(4)
     buf.push(np.ones(4, np.float32))
