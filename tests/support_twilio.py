@@ -47,6 +47,13 @@ CHUNK_S = 0.020
 ACCOUNT_SID = "AC" + "0" * 32
 
 
+# A `media` message as Twilio sends it (field order included), up to its `streamSid`.
+_MEDIA_TEMPLATE = (
+    '{"event":"media","sequenceNumber":"%d","media":{"track":"inbound","chunk":"%d",'
+    '"timestamp":"%d","payload":"%s"}'
+)
+
+
 def sid(prefix: str) -> str:
     return prefix + secrets.token_hex(16)
 
@@ -89,6 +96,7 @@ class SimulatedCall:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     close_code: int | None = None
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _sid_tail: str = ""  # `,"streamSid":"MZ…"}`, the end of every media message
 
     # --- sending, as Twilio does -----------------------------------------------------------
     def _next_seq(self) -> str:
@@ -103,24 +111,21 @@ class SimulatedCall:
         async with self.send_lock:
             await self.ws.send(data)
 
-    async def send_media(self, payload: bytes) -> None:
+    async def send_media(self, payload: bytes | str) -> None:
+        """One 20 ms `media` message; `payload` is μ-law bytes or their base64 text already
+        (a load test encodes its audio once). Formatted from a template, not `json.dumps`: the
+        same JSON, at a fraction of the simulator's CPU when hundreds of calls share a core."""
         now = time.monotonic()
         if not self.t0:
             self.t0 = now
         self.chunk += 1
-        await self.send(
-            {
-                "event": "media",
-                "sequenceNumber": self._next_seq(),
-                "media": {
-                    "track": "inbound",
-                    "chunk": str(self.chunk),
-                    "timestamp": str(round((now - self.t0) * 1000)),
-                    "payload": base64.b64encode(payload).decode("ascii"),
-                },
-                "streamSid": self.stream_sid,
-            }
-        )
+        self.seq += 1
+        if isinstance(payload, bytes):
+            payload = base64.b64encode(payload).decode("ascii")
+        text = _MEDIA_TEMPLATE % (self.seq, self.chunk, round((now - self.t0) * 1000), payload)
+        if not self._sid_tail:
+            self._sid_tail = f',"streamSid":{json.dumps(self.stream_sid)}}}'
+        await self.send_raw(text + self._sid_tail)
 
     async def play(self, pcm_8k: np.ndarray) -> None:
         """Send audio as 20 ms media messages on an absolute real-time schedule."""

@@ -258,6 +258,27 @@ def test_audio_path_round_trip_keeps_a_tone_clean() -> None:
 # --- message parsing ------------------------------------------------------------------------------
 
 
+def test_outbound_messages_are_the_documented_json() -> None:
+    import base64
+    import json
+
+    from personaplex_twilio.media_stream import OutboundMessages
+
+    for stream_sid in ("MZ" + "0" * 32, 'MZ"odd\\sid\u00e9'):
+        messages = OutboundMessages(stream_sid)
+        chunk = bytes(range(160))
+        assert json.loads(messages.media(chunk)) == {
+            "event": "media",
+            "streamSid": stream_sid,
+            "media": {"payload": base64.b64encode(chunk).decode("ascii")},
+        }
+        assert json.loads(messages.mark("17")) == {
+            "event": "mark",
+            "streamSid": stream_sid,
+            "mark": {"name": "17"},
+        }
+
+
 @pytest.mark.parametrize(
     ("raw", "code"),
     [

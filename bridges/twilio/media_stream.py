@@ -90,6 +90,24 @@ def _section(message: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+class OutboundMessages:
+    """Our `media` and `mark` messages for one stream, formatted from templates: the same JSON
+    as `json.dumps` of the dicts, at a fraction of the cost (with hundreds of calls, building
+    and encoding a dict per 20 ms message was a visible share of the server's CPU)."""
+
+    def __init__(self, stream_sid: str):
+        sid = json.dumps(stream_sid)
+        self._media_head = '{"event":"media","streamSid":' + sid + ',"media":{"payload":"'
+        self._mark_head = '{"event":"mark","streamSid":' + sid + ',"mark":{"name":'
+
+    def media(self, ulaw: bytes) -> str:
+        # base64 text never needs JSON escaping
+        return self._media_head + base64.b64encode(ulaw).decode("ascii") + '"}}'
+
+    def mark(self, name: str) -> str:
+        return self._mark_head + json.dumps(name) + "}}"
+
+
 class MediaStreamCall:
     def __init__(self, ws: WebSocket, bridge: TwilioBridge):
         self.ws = ws
@@ -115,7 +133,7 @@ class MediaStreamCall:
         self.last_chunk = 0
         self.dtmf: list[str] = []
         self.started_at = monotonic()
-        self._send_lock = asyncio.Lock()
+        self._messages = OutboundMessages("")  # set by `start`
         self._sender: asyncio.Task[None] | None = None
         self._main: asyncio.Task[Any] | None = None
         self._receiving = False
@@ -241,6 +259,7 @@ class MediaStreamCall:
             raise ProtocolError("customParameters must be an object", CLOSE_INVALID_DATA)
         persona_name, persona = self.bridge.persona_for_stream(params, call_sid)
         self.stream_sid, self.call_sid = stream_sid, call_sid
+        self._messages = OutboundMessages(stream_sid)
         self._last_media = monotonic()
         self.record = self.bridge.registry.status(call_sid, "stream-started", persona=persona_name)
         self.record.stream_sid = stream_sid
@@ -331,8 +350,12 @@ class MediaStreamCall:
 
     # --- the sender -----------------------------------------------------------------------
     async def _send_json(self, message: dict[str, Any]) -> None:
-        async with self._send_lock:
-            await self.ws.send_text(json.dumps(message, separators=(",", ":")))
+        await self._send_text(json.dumps(message, separators=(",", ":")))
+
+    async def _send_text(self, text: str) -> None:
+        # No lock: one task writes at a time (the pacer; `_finish` sends `clear` only after it
+        # has cancelled the pacer and waited for it), and uvicorn sends each message whole.
+        await self.ws.send_text(text)
 
     async def _send_chunk(self, chunk: bytes) -> None:
         now = monotonic()
@@ -340,8 +363,7 @@ class MediaStreamCall:
         if wait > 0:
             await asyncio.sleep(wait)
             now = monotonic()
-        payload = base64.b64encode(chunk).decode("ascii")
-        await self._send_json({"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}})
+        await self._send_text(self._messages.media(chunk))
         self.clock.sent(now, CHUNK_S)
         if self.frames_out:
             self.max_send_gap_s = max(self.max_send_gap_s, now - self._last_send)
@@ -391,9 +413,7 @@ class MediaStreamCall:
                 if isinstance(item, bytes):
                     self._outbox_chunks -= 1
                 else:
-                    await self._send_json(
-                        {"event": "mark", "streamSid": self.stream_sid, "mark": {"name": item}}
-                    )
+                    await self._send_text(self._messages.mark(item))
                     self.marks.add(item, self.clock.sent_s)
                     continue
                 if self.clock.needs_prime(monotonic()):
