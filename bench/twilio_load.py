@@ -1,14 +1,17 @@
 """Twilio bridge benchmark: concurrent phone calls on this machine, and the bridge's own delay.
 
     .venv/bin/python bench/twilio_load.py --engine echo [--levels 1,5,10,25,50,100,150,200] [--seconds 5]
+        [--ramp-ms 10] [--all-levels]
 
 1. Bridge delay: an impulse crosses the bridge's audio path in and out (μ-law 8 kHz -> 24 kHz
    in 20 ms messages, then 80 ms engine frames -> 8 kHz μ-law), with the engine frame itself
    taken out (an identity in between). The same signal goes through Pipecat's
    `TwilioFrameSerializer` (deserialize, then serialize), its soxr streaming resamplers.
 2. Load: `personaplex-voice serve --engine echo --twilio` runs in its own process; simulated
-   Twilio calls (tests/support_twilio.py, in worker processes) ramp up level by level, each call
-   streaming real-time audio for `--seconds`. A level passes when the server counted no late
+   Twilio calls (tests/support_twilio.py, in worker processes on uvloop) ramp up level by level,
+   one call starting every `--ramp-ms` (0: all at once), each streaming real-time audio for
+   `--seconds`; `--all-levels` keeps going after a failed level (the maximum still counts only
+   the levels below the first failure). A level passes when the server counted no late
    frame: no engine frame without its caller audio in time, no message reaching Twilio after its
    buffer of ours ran dry. Outbound jitter: p99 of |gap between consecutive media messages at the
    simulator - 20 ms|. Also printed: the simulators' own late-frame count, the server's CPU time
