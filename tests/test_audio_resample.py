@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support_audio import espeak_speech, fractional_delay, snr_db, telephone_speech
 
-from personaplex_voice.audio.resample import StreamingResampler, resample
+from personaplex_voice.audio.resample import BlockResampler, StreamingResampler, resample
 
 RATES = (8000, 16000, 24000, 48000)
 
@@ -178,3 +178,23 @@ def test_one_shot_resample_keeps_pitch_and_timing():
     t = np.arange(len(y)) / 24000
     assert np.corrcoef(y[1000:-1000], 0.5 * np.sin(2 * np.pi * 1000 * t[1000:-1000]))[0, 1] > 0.999
     assert len(resample(np.zeros(0, np.float32), 8000, 24000)) == 0
+
+
+@pytest.mark.parametrize(
+    ("in_rate", "out_rate"), [(24000, 8000), (8000, 24000), (16000, 48000), (48000, 24000)]
+)
+def test_block_resampler_matches_the_streaming_resampler(in_rate, out_rate) -> None:
+    """The matrix-product variant is the same filter, whatever the chunking (to float rounding)."""
+    x = (np.random.default_rng(1).standard_normal(in_rate) * 0.3).astype(np.float32)
+    block, reference = BlockResampler(in_rate, out_rate), StreamingResampler(in_rate, out_rate)
+    got, want, at = [], [], 0
+    for size in [1920, 7, 500, 1, 160, 3333, 2, 640, 0] * 8:
+        piece = x[at : at + size]
+        at += size
+        got.append(block.process(piece))
+        want.append(reference.process(piece))
+        assert len(got[-1]) == len(want[-1])
+    got.append(block.flush())
+    want.append(reference.flush())
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=0, atol=1e-6)
+    assert block.delay_samples == reference.delay_samples

@@ -255,26 +255,6 @@ def test_audio_path_round_trip_keeps_a_tone_clean() -> None:
     assert sine_fit_snr_db(back[400:-400], 1000.0) >= 30.0
 
 
-@pytest.mark.parametrize(("in_rate", "out_rate"), [(24000, 8000), (8000, 24000)])
-def test_block_resampler_matches_the_streaming_resampler(in_rate, out_rate) -> None:
-    # The bridge's fast resampler must be the shared low-delay filter, whatever the chunking.
-    from personaplex_twilio.audio_path import BlockResampler
-
-    from personaplex_voice.audio.resample import StreamingResampler
-
-    x = (np.random.default_rng(1).standard_normal(in_rate) * 0.3).astype(np.float32)
-    ours, reference = BlockResampler(in_rate, out_rate), StreamingResampler(in_rate, out_rate)
-    got, want, at = [], [], 0
-    for size in [1920, 7, 500, 1, 160, 3333, 2, 640] * 8:
-        piece = x[at : at + size]
-        at += size
-        got.append(ours.process(piece))
-        want.append(reference.process(piece))
-        assert len(got[-1]) == len(want[-1])
-    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=0, atol=1e-6)
-    assert ours.delay_samples == reference.delay_samples
-
-
 # --- message parsing ------------------------------------------------------------------------------
 
 

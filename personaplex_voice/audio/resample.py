@@ -19,8 +19,9 @@ import math
 
 import numpy as np
 import soxr
+from numpy.lib.stride_tricks import as_strided
 
-__all__ = ["StreamingResampler", "design_lowdelay_lowpass", "resample"]
+__all__ = ["BlockResampler", "StreamingResampler", "design_lowdelay_lowpass", "resample"]
 
 # Filter shape for a conversion whose lower rate is 8 kHz; other rates scale it in time by
 # 8000 / lower_rate (a 16 kHz pair gets half the delay and half the duration, same rejection).
@@ -163,6 +164,69 @@ class StreamingResampler:
         tail = self.process(np.zeros(pad, dtype=np.float32))
         self.reset()
         return tail
+
+
+class BlockResampler(StreamingResampler):
+    """:class:`StreamingResampler`'s conversion (same filter, delay and state; outputs equal up to
+    float64 rounding) computed as one matrix product per call instead of one short dot product
+    per output sample.
+
+    ``np.correlate`` makes 640-1920 tiny dot products per 80 ms frame, each dominated by call
+    overhead; on a phone server that was a quarter of the CPU per call. Here the outputs go in
+    blocks of ``block_inputs * up`` samples whose input windows sit ``block_inputs * down``
+    inputs apart: one constant matrix holds a block's taps, and the overlapping input windows (a
+    strided view) times that matrix give every block at once in BLAS, 2-4x faster per frame.
+    The price: BLAS may sum in a different order for different chunk sizes, so the output is
+    chunking-invariant only to ~1e-15, not to the bit as :class:`StreamingResampler` is.
+    """
+
+    def __init__(self, in_rate: int, out_rate: int, block_inputs: int = 32) -> None:
+        super().__init__(in_rate, out_rate)
+        self._block = block_inputs * self._up  # outputs per block
+        self._stride = block_inputs * self._down  # inputs between consecutive blocks' windows
+        self._matrices: dict[int, np.ndarray] = {}
+
+    def _matrix(self, first: int) -> np.ndarray:
+        """[span, block] taps of a block whose first output is ``first`` (mod up): column i holds
+        output i's taps at the rows of its input window."""
+        key = first % self._up
+        if key not in self._matrices:
+            up, down = self._up, self._down
+            offsets = [(key + i) * down // up - key * down // up for i in range(self._block)]
+            matrix = np.zeros((offsets[-1] + self._window, self._block), np.float64)
+            for i, offset in enumerate(offsets):
+                matrix[offset : offset + self._window, i] = self._taps_by_phase[(key + i) * down % up]
+            self._matrices[key] = matrix
+        return self._matrices[key]
+
+    def process(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float64).reshape(-1)
+        # buffer[0] is input sample `_consumed - (window - 1)`; output n reads the `window`
+        # samples from buffer[n * down // up - _consumed] on, with the taps of phase n*down % up.
+        buffer = np.concatenate([self._history, x])
+        up, down = self._up, self._down
+        consumed = self._consumed + len(x)
+        total_out = -(-consumed * up // down)
+        count = total_out - self._produced
+        out = np.zeros(0, np.float64)
+        if count:
+            matrix = self._matrix(self._produced)
+            start = self._produced * down // up - self._consumed
+            blocks = -(-count // self._block)
+            need = start + (blocks - 1) * self._stride + matrix.shape[0]
+            padded = buffer  # the last block may run past the input: its extra outputs go
+            if need > len(buffer):
+                padded = np.concatenate([buffer, np.zeros(need - len(buffer))])
+            view = padded[start:]
+            windows = as_strided(
+                view,
+                shape=(blocks, matrix.shape[0]),
+                strides=(self._stride * view.strides[0], view.strides[0]),
+            )
+            out = (windows @ matrix).reshape(-1)[:count]
+        self._history = buffer[len(buffer) - (self._window - 1) :]
+        self._consumed, self._produced = consumed, total_out
+        return out.astype(np.float32)
 
 
 def resample(x: np.ndarray, in_rate: int, out_rate: int) -> np.ndarray:
