@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from personaplex_voice.engine.base import Persona, Sampling
 from personaplex_voice.server import access, protocol
 from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.protocol import ChatParams, Kind, QueryError
@@ -163,3 +164,18 @@ def test_twilio_flag_mounts_the_bridge_without_shadowing(monkeypatch):
         # The browser client is served for unmatched GETs only: /twilio/* still reaches the bridge.
         assert client.get("/twilio/calls").status_code != 404
         assert "PersonaPlex" in client.get("/").text
+
+
+def test_a_persona_survives_the_query_string_round_trip():
+    """What the remote Pipecat client sends is what the server rebuilds, sampling and seed included."""
+    persona = Persona(
+        text_prompt="You work for CitySan.",
+        voice="NATF2",
+        sampling=Sampling(
+            text_temperature=0.5, text_topk=10, audio_temperature=0.9, audio_topk=100, greedy=True
+        ),
+        seed=1234,
+    )
+    params = ChatParams.from_persona(persona)
+    assert params.persona() == persona
+    assert ChatParams.from_query(params.to_query()).persona() == persona

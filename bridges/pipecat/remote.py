@@ -46,20 +46,6 @@ class Backoff:
         return [min(self.max_s, self.initial_s * 2**i) for i in range(max(0, self.attempts - 1))]
 
 
-def _persona_query(persona: Persona) -> ChatParams:
-    sampling = persona.sampling
-    return ChatParams(
-        text_prompt=persona.text_prompt,
-        voice_prompt=persona.voice,
-        seed=persona.seed,
-        text_temperature=sampling.text_temperature,
-        text_topk=sampling.text_topk,
-        audio_temperature=sampling.audio_temperature,
-        audio_topk=sampling.audio_topk,
-        greedy=sampling.greedy,
-    )
-
-
 class RemoteSession:
     def __init__(self, ws: ClientConnection, url: str, metadata: dict[str, Any]):
         self._ws = ws
@@ -182,7 +168,7 @@ class RemoteBackend:
         return None
 
     async def open(self, persona: Persona) -> RemoteSession:
-        url = _persona_query(persona).url(self.url)
+        url = ChatParams.from_persona(persona).url(self.url)
         delays = self.backoff.delays()
         for attempt in range(len(delays) + 1):
             try:

@@ -181,6 +181,21 @@ class ChatParams:
             text_prompt=self.text_prompt, voice=self.voice_prompt, sampling=self.sampling(), seed=self.seed
         )
 
+    @classmethod
+    def from_persona(cls, persona: Persona) -> ChatParams:
+        """The inverse of `persona()`: what a remote client sends to get this persona."""
+        sampling = persona.sampling
+        return cls(
+            text_prompt=persona.text_prompt,
+            voice_prompt=persona.voice,
+            seed=persona.seed,
+            text_temperature=sampling.text_temperature,
+            text_topk=sampling.text_topk,
+            audio_temperature=sampling.audio_temperature,
+            audio_topk=sampling.audio_topk,
+            greedy=sampling.greedy,
+        )
+
     def to_query(self) -> dict[str, str]:
         """The query parameters a client sends (only the ones that are set)."""
         out: dict[str, str] = {"text_prompt": self.text_prompt}
