@@ -225,7 +225,8 @@ def aligned_logspec_correlation(
 ) -> tuple[float, float]:
     """(correlation, lag_s): Pearson correlation of the log-magnitude spectrograms of `out` and
     `ref` after shifting `out` by the delay (0..max_lag_s) that best matches the waveforms."""
-    from scipy.signal import correlate, stft
+    from scipy.signal import correlate
+    from support_server import log_spectrogram
 
     xc = correlate(out, ref, mode="full", method="fft")
     lags = np.arange(-len(ref) + 1, len(out))
@@ -233,12 +234,8 @@ def aligned_logspec_correlation(
     lag = int(lags[window][np.argmax(xc[window])])
     a = out[lag : lag + len(ref)]
     b = ref[: len(a)]
-
-    def logspec(x: np.ndarray) -> np.ndarray:
-        _, _, z = stft(x, fs=rate, nperseg=512, noverlap=512 - rate // 100)
-        return np.log10(np.abs(z) + 1e-4)
-
-    return float(np.corrcoef(logspec(a).ravel(), logspec(b).ravel())[0, 1]), lag / rate
+    correlation = np.corrcoef(log_spectrogram(a, rate).ravel(), log_spectrogram(b, rate).ravel())[0, 1]
+    return float(correlation), lag / rate
 
 
 def tone_fraction(x: np.ndarray, freq: float, rate: int, width_hz: float = 40.0) -> float:

@@ -292,11 +292,12 @@ async def chat(
 # Comparing an echo with what was sent
 
 
-def log_spectrogram(x):
+def log_spectrogram(x, rate: int = 24000):
+    """Log-magnitude STFT: 512-sample windows, 10 ms hop."""
     import numpy as np
     from scipy.signal import stft
 
-    _, _, z = stft(x, fs=24000, nperseg=512, noverlap=512 - 240)
+    _, _, z = stft(x, fs=rate, nperseg=512, noverlap=512 - rate // 100)
     return np.log10(np.abs(z) + 1e-4)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support_engine import files_for, other_config, persona, user_frames, write_model_dir
 
 from personaplex_voice.engine.base import FRAME_SIZE, Persona, Sampling, SlotSnapshot
 from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
-from tests.support_engine import files_for, other_config, persona, user_frames, write_model_dir
 
 torch.set_num_threads(1)
 

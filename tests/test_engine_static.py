@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from support_engine import persona, user_frames
 
 from personaplex_voice.engine.base import FRAME_SIZE
 from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
 from personaplex_voice.engine.graphs import GraphedStep
-from tests.support_engine import persona, user_frames
 
 torch.set_num_threads(1)
 

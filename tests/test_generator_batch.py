@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support_engine import persona, reference_pieces, user_frames
 
 from personaplex_voice.engine.base import FRAME_SIZE, Persona, Sampling
 from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
-from tests.support_engine import persona, reference_pieces, user_frames
 
 torch.set_num_threads(1)
 

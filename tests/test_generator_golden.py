@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support_engine import RUNS, persona, reference_pieces, run_slot, user_frames
 
 from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
 from personaplex_voice.engine.prompts import wrap_system_prompt
-from tests.support_engine import RUNS, persona, reference_pieces, run_slot, user_frames
 
 torch.set_num_threads(1)
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from support_engine import files_for, other_config, write_model_dir
 
 from personaplex_voice.engine.base import FRAME_SIZE, Persona, PersonaError, Sampling
 from personaplex_voice.engine.generator import PersonaPlexEngine
 from personaplex_voice.errors import UserError
 from personaplex_voice.model.config import ModelConfig
 from personaplex_voice.model.loaders import load_lm, load_mimi
-from tests.support_engine import files_for, other_config, write_model_dir
 
 torch.set_num_threads(1)
 
