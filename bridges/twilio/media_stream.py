@@ -30,7 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, Persona
 
 from .audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
-from .pacing import CHUNK_S, FRAME_S, FrameJitter, MarkTracker, PlaybackClock, monotonic, percentile
+from .pacing import CHUNK_S, FRAME_S, FrameJitter, MarkTracker, PlaybackClock, percentile
 
 if TYPE_CHECKING:
     from .bridge import TwilioBridge
@@ -132,12 +132,12 @@ class MediaStreamCall:
         self.inbound_gaps = 0  # chunks Twilio numbered but we never got
         self.last_chunk = 0
         self.dtmf: list[str] = []
-        self.started_at = monotonic()
+        self.started_at = time.monotonic()
         self._messages = OutboundMessages("")  # set by `start`
         self._sender: asyncio.Task[None] | None = None
         self._main: asyncio.Task[Any] | None = None
         self._receiving = False
-        self._last_media = monotonic()  # Twilio sends caller audio every 20 ms, silence included
+        self._last_media = time.monotonic()  # Twilio sends caller audio every 20 ms, silence included
         self._opener: asyncio.Task[None] | None = None
         self._ended: CallEnded | None = None
         self._cushioned = False
@@ -188,7 +188,7 @@ class MediaStreamCall:
         """Ends the call past its limits: no caller audio for `idle_timeout_s` (or no `start` within
         `stream_connect_timeout_s`), or `max_call_s` in all."""
         while True:
-            now = monotonic()
+            now = time.monotonic()
             idle_limit = (
                 self.settings.idle_timeout_s if self.stream_sid else self.settings.stream_connect_timeout_s
             )
@@ -260,7 +260,7 @@ class MediaStreamCall:
         persona_name, persona = self.bridge.persona_for_stream(params, call_sid)
         self.stream_sid, self.call_sid = stream_sid, call_sid
         self._messages = OutboundMessages(stream_sid)
-        self._last_media = monotonic()
+        self._last_media = time.monotonic()
         self.record = self.bridge.registry.status(call_sid, "stream-started", persona=persona_name)
         self.record.stream_sid = stream_sid
         self.bridge.registry.live[stream_sid] = self
@@ -304,7 +304,7 @@ class MediaStreamCall:
         except (binascii.Error, ValueError):
             raise ProtocolError("`media` payload is not valid base64", CLOSE_INVALID_DATA) from None
         self.frames_in += 1
-        self._last_media = monotonic()
+        self._last_media = time.monotonic()
         chunk = media.get("chunk")
         if isinstance(chunk, str) and chunk.isdigit():
             number = int(chunk)
@@ -319,7 +319,7 @@ class MediaStreamCall:
                 self.inbound_dropped += 1  # until the first frame shows where the engine ticks
                 return
             self._cushioned = True
-            self.session.push(self.inbound.lead(self._cushion_samples(monotonic())))
+            self.session.push(self.inbound.lead(self._cushion_samples(time.monotonic())))
         pcm = self.inbound.feed(ulaw)
         if pcm is not None:
             self.session.push(pcm)
@@ -358,11 +358,11 @@ class MediaStreamCall:
         await self.ws.send_text(text)
 
     async def _send_chunk(self, chunk: bytes) -> None:
-        now = monotonic()
+        now = time.monotonic()
         wait = self.clock.wait_before_send(now)
         if wait > 0:
             await asyncio.sleep(wait)
-            now = monotonic()
+            now = time.monotonic()
         await self._send_text(self._messages.media(chunk))
         self.clock.sent(now, CHUNK_S)
         if self.frames_out:
@@ -380,7 +380,7 @@ class MediaStreamCall:
         limit = max(1, round(self.settings.max_buffered_ms / 1000 / CHUNK_S))
         try:
             async for out in session.frames():
-                now = monotonic()
+                now = time.monotonic()
                 if self._tick_origin is None:
                     self._tick_origin = now
                 self.jitter.frame(now)
@@ -416,7 +416,7 @@ class MediaStreamCall:
                     await self._send_text(self._messages.mark(item))
                     self.marks.add(item, self.clock.sent_s)
                     continue
-                if self.clock.needs_prime(monotonic()):
+                if self.clock.needs_prime(time.monotonic()):
                     if self.clock.started:
                         # Twilio ran dry: this call's engine frames come later than the cushion
                         # covers. Grow it by a message (up to the limit), like a jitter buffer.
@@ -451,7 +451,7 @@ class MediaStreamCall:
             # Drop whatever Twilio still holds of ours, then hang up before the socket goes.
             with contextlib.suppress(Exception):
                 await self._send_json({"event": "clear", "streamSid": self.stream_sid})
-                self.clock.cleared(monotonic())
+                self.clock.cleared(time.monotonic())
                 self.marks.drop_all()
         if hang_up and self.call_sid:
             await self.bridge.calls.hang_up_async(self.call_sid)
@@ -475,7 +475,7 @@ class MediaStreamCall:
         queued_ms = [q * 1000 for q in self.marks.queued_at_ack_s]
         stats = getattr(self.session, "stats", None) if self.session is not None else None
         return {
-            "duration_s": round(monotonic() - self.started_at, 3),
+            "duration_s": round(time.monotonic() - self.started_at, 3),
             "frames_in": self.frames_in,
             "frames_out": self.frames_out,
             "inbound_dropped_before_ready": self.inbound_dropped,

@@ -15,7 +15,6 @@ estimate of its buffer.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -124,7 +123,3 @@ class FrameJitter:
 
     def p50_ms(self) -> float:
         return percentile([o - self.min_offset for o in self.offsets], 50) * 1000
-
-
-def monotonic() -> float:
-    return time.monotonic()
