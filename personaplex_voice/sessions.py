@@ -40,7 +40,7 @@ from personaplex_voice.engine.base import (
     PreparedPersona,
 )
 from personaplex_voice.engine.persona_cache import PersonaCache
-from personaplex_voice.engine.scheduler import FRAME_SECONDS, Scheduler, SlotClient, SlotState, SpareTrimmer
+from personaplex_voice.engine.scheduler import FRAME_SECONDS, Scheduler, SlotState, SpareTrimmer
 from personaplex_voice.metrics import SessionMetrics
 
 _State = SlotState
@@ -556,20 +556,3 @@ class SessionManager:
         """The inference thread died: end every session, queued ones too."""
         for session in self.sessions:
             self._close(session, reason, error)
-
-    # ---- private views kept for tests and benches ---------------------------------------------
-
-    @property
-    def _joining(self) -> deque[SlotClient]:
-        return self._scheduler.joining
-
-    @property
-    def _to_release(self) -> set[int]:
-        return self._scheduler.to_release
-
-    @property
-    def _recent_steps(self) -> deque[float]:
-        return self._scheduler.recent_steps
-
-    def _late_wait(self) -> float:
-        return self._scheduler.late_wait()

@@ -488,7 +488,7 @@ async def test_thousand_open_close_cycles_leave_nothing_behind(manager_factory):
     assert closed_in.get("queued", 0) > 0 and closed_in.get("joining", 0) > 0, closed_in
     assert manager.active_count == 0 and manager.queued_count == 0 and manager.sessions == []
     await wait_until(lambda: not any(engine.slot_in_use(i) for i in range(4)))
-    assert not manager._to_release and not manager._joining and not manager._queue
+    assert not manager._scheduler.to_release and not manager._scheduler.joining and not manager._queue
     gc.collect()
     assert len(alive) == 0, "the manager keeps sessions alive"
     snap = manager.metrics.snapshot()

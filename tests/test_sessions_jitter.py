@@ -76,13 +76,13 @@ def test_unused_spare_goes_after_the_settle_time_and_used_spare_stays():
 
 def test_late_wait_shrinks_to_what_the_engine_leaves_of_the_frame():
     manager = SessionManager(LoopbackEngine(num_slots=1), realtime=True)
-    assert manager._late_wait() == manager.late_wait_s == 0.020
-    manager._recent_steps.extend([0.010, 0.050])  # 72 ms usable, the slowest step 50 ms
-    assert manager._late_wait() == 0.020
-    manager._recent_steps.append(0.060)
-    assert manager._late_wait() == pytest.approx(0.012)
-    manager._recent_steps.append(0.090)  # the engine itself overruns: never wait for anyone
-    assert manager._late_wait() == 0.0
+    assert manager._scheduler.late_wait() == manager.late_wait_s == 0.020
+    manager._scheduler.recent_steps.extend([0.010, 0.050])  # 72 ms usable, the slowest step 50 ms
+    assert manager._scheduler.late_wait() == 0.020
+    manager._scheduler.recent_steps.append(0.060)
+    assert manager._scheduler.late_wait() == pytest.approx(0.012)
+    manager._scheduler.recent_steps.append(0.090)  # the engine itself overruns: never wait for anyone
+    assert manager._scheduler.late_wait() == 0.0
 
 
 async def test_a_stalled_client_does_not_keep_its_delay_for_the_rest_of_the_call():
