@@ -43,8 +43,6 @@ from personaplex_voice.engine.persona_cache import PersonaCache
 from personaplex_voice.engine.scheduler import FRAME_SECONDS, Scheduler, SlotState, SpareTrimmer
 from personaplex_voice.metrics import SessionMetrics
 
-_State = SlotState
-
 
 class SessionClosed(EngineError):
     """The session ended before it became ready (or was used after it ended)."""
@@ -86,7 +84,7 @@ class Session:
         self.persona: Persona = prepared.persona
         self._manager = manager
         self._prepared: PreparedPersona | None = prepared
-        self._state = _State.QUEUED
+        self._state = SlotState.QUEUED
         self.slot: int | None = None
         self.queue_position: int | None = None
         self.close_reason: str | None = None
@@ -119,12 +117,12 @@ class Session:
 
     @property
     def closed(self) -> bool:
-        return self._state is _State.CLOSED
+        return self._state is SlotState.CLOSED
 
     @property
     def ready_now(self) -> bool:
         """True while the session is being stepped."""
-        return self._state is _State.RUNNING
+        return self._state is SlotState.RUNNING
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -157,7 +155,7 @@ class Session:
             with self._lock:
                 if self._was_ready:
                     return
-                if self._state is _State.CLOSED:
+                if self._state is SlotState.CLOSED:
                     if self._error is not None:
                         raise self._error
                     raise SessionClosed(self.close_reason or "closed")
@@ -181,10 +179,10 @@ class Session:
             raise ValueError(f"push wants mono samples (1-D), got shape {x.shape}")
         if not np.isfinite(x).all():
             raise ValueError("push got NaN or infinite samples")
-        if self._state is _State.CLOSED or self._input_ended:
+        if self._state is SlotState.CLOSED or self._input_ended:
             return
         manager = self._manager
-        if manager.realtime and self._state is not _State.RUNNING:
+        if manager.realtime and self._state is not SlotState.RUNNING:
             with self._lock:
                 self._counts["dropped_pre_ready_samples"] += x.size
             return
@@ -200,7 +198,7 @@ class Session:
     def end_input(self) -> None:
         """No more audio will be pushed. A partial last frame is padded with zeros; once the
         buffered input has been stepped the session closes with reason "input_ended"."""
-        if self._input_ended or self._state is _State.CLOSED:
+        if self._input_ended or self._state is SlotState.CLOSED:
             return
         with self._lock:
             partial = len(self._input) % FRAME_SIZE
@@ -217,7 +215,7 @@ class Session:
                 if self._out:
                     frame = self._out.popleft()
                     fut = None
-                elif self._state is _State.CLOSED:
+                elif self._state is SlotState.CLOSED:
                     return
                 else:
                     frame = None
@@ -530,13 +528,13 @@ class SessionManager:
 
     def _close(self, session: Session, reason: str, error: BaseException | None = None) -> None:
         with self._cond:
-            if session._state is _State.CLOSED:
+            if session._state is SlotState.CLOSED:
                 return
             previous = session._state
-            session._state = _State.CLOSED
+            session._state = SlotState.CLOSED
             session.close_reason = reason
             session._error = error
-            if previous is _State.QUEUED:
+            if previous is SlotState.QUEUED:
                 self._queue.remove(session)
                 for i, waiting in enumerate(self._queue):
                     waiting.queue_position = i + 1
