@@ -34,8 +34,8 @@ def test_auto_device_is_the_gpu_only_when_there_is_one(tmp_path, monkeypatch) ->
     from personaplex_voice.engine import factory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert factory._check_device("auto") == "cpu"
+    assert factory.resolve_device("auto") == "cpu"
     with pytest.raises(UserError, match="CUDA is not available"):
-        factory._check_device("cuda")
+        factory.resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert factory._check_device("auto") == "cuda"
+    assert factory.resolve_device("auto") == "cuda"

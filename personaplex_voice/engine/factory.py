@@ -33,7 +33,8 @@ def build_engine(
 
     `model`: "demo", a model directory or a hub repo id (see `model/sources.py`).
     `device`: a torch device, or "auto" (cuda when available, else cpu).
-    `engine`: "model" (PersonaPlexEngine) or "echo" (LoopbackEngine: numpy only, `model` unused).
+    `engine`: "model" (PersonaPlexEngine) or "echo" (LoopbackEngine: numpy only, torch never
+    imported, `model` unused; `overrides` go to LoopbackEngine, e.g. `text_pieces`).
     `overrides`: per-file paths (`moshi_weight`, `mimi_weight`, `tokenizer`, `voice_prompt_dir`,
     `hf_repo`); any other keyword is passed on to `PersonaPlexEngine`.
     Raises `UserError` for anything the user can fix.
@@ -43,13 +44,16 @@ def build_engine(
     if engine == "echo":
         from personaplex_voice.engine.loopback import LoopbackEngine
 
-        return LoopbackEngine(num_slots=num_slots)
+        try:
+            return LoopbackEngine(num_slots=num_slots, **overrides)
+        except TypeError as exc:
+            raise UserError(f"the echo engine does not take these options: {exc}") from None
     if engine != "model":
         raise UserError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
 
     from personaplex_voice.model.sources import resolve_model
 
-    device = _check_device(device)
+    device = resolve_device(device)
     source_options = {k: overrides.pop(k) for k in _SOURCE_OPTIONS if k in overrides}
     files = resolve_model(model, **source_options)
 
@@ -69,7 +73,8 @@ def build_engine(
         raise UserError(f"cannot run model {files.name}: {exc}") from None
 
 
-def _check_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """`auto` becomes cuda when torch sees a GPU, else cpu; anything else is checked as given."""
     import torch
 
     if device == "auto":  # the GPU when there is one

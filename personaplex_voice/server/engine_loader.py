@@ -1,7 +1,7 @@
 """Build the server's engine from its settings. Runs in a worker thread during startup.
 
-`--engine echo` builds the LoopbackEngine directly so that torch is never imported; the real
-model comes from the engine factory (which resolves `demo`, a model dir or a Hugging Face repo).
+Both engines come from the engine factory: `--engine echo` (the LoopbackEngine, torch never
+imported) and the real model (`demo`, a model dir or a Hugging Face repo).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ ECHO_TEXT = (" Hello", " from", " the", " echo", " engine.", " I", " repeat", " 
 
 
 def load_engine(settings: ServerSettings, progress: Progress) -> Any:
-    if settings.engine == "echo":
-        from personaplex_voice.engine.loopback import LoopbackEngine
+    from personaplex_voice.engine.factory import build_engine, resolve_device
 
+    if settings.engine == "echo":  # the factory builds it without importing torch
         progress(f"starting the echo engine ({settings.max_sessions} slots)")
-        return LoopbackEngine(num_slots=settings.max_sessions, text_pieces=ECHO_TEXT)
+        return build_engine(engine="echo", num_slots=settings.max_sessions, text_pieces=ECHO_TEXT)
 
     from personaplex_voice.cli_options import configure_threads, parse_dtype, source_overrides
-    from personaplex_voice.engine.factory import build_engine
 
     device = resolve_device(settings.device)
     if settings.threads:  # before loading too: the load itself runs torch ops
@@ -44,15 +43,6 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
     )
     configure_threads(settings.threads, engine)  # auto needs the model's size and device
     return engine
-
-
-def resolve_device(device: str) -> str:
-    """`auto` is the first CUDA device when there is one, else the CPU."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def warm_engine(engine: Any) -> None:
