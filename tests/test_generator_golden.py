@@ -69,6 +69,27 @@ def test_golden_run(engine, golden_dir, expected, run):
     check_run(run_slot(engine, 0, user_frames(golden_dir)), expected, run)
 
 
+@pytest.mark.parametrize("prefill", ["parallel", "stepwise"])
+def test_chunked_prefill_is_golden(golden_dir, expected, prefill):
+    """`begin_start` run chunk by chunk (7 positions / 3 steps at a time, so the service prompt
+    takes many pieces) ends in a slot that gives the golden run exactly."""
+    chunked = PersonaPlexEngine(
+        golden_like_files(golden_dir),
+        num_slots=2,
+        capture_logits=True,
+        prefill=prefill,
+        prefill_chunk=7,
+        prefill_chunk_steps=3,
+    )
+    prefill_job = chunked.begin_start(1, chunked.prepare(persona("service")))
+    chunks = 1
+    while not prefill_job.run_chunk():
+        chunks += 1
+    assert prefill_job.remaining == 0
+    assert chunks > 10
+    check_run(run_slot(chunked, 1, user_frames(golden_dir)), expected, "service")
+
+
 def test_stepwise_prefill_matches_parallel_and_golden(golden_dir, expected):
     stepwise = PersonaPlexEngine(
         golden_like_files(golden_dir), num_slots=1, capture_logits=True, prefill="stepwise"

@@ -108,6 +108,22 @@ class SlotSnapshot(Protocol):
     def nbytes(self) -> int: ...
 
 
+class SlotPrefill(Protocol):
+    """A system prompt being run into one slot, a chunk at a time (`Engine.begin_start`).
+
+    Chunk boundaries are the engine's (a fixed number of prompt positions), never the caller's
+    timing, so a slot prefilled in many small pieces between ticks ends in the same state
+    however the pieces were spread.
+    """
+
+    @property
+    def remaining(self) -> int:
+        """Chunks still to run (0 once the slot is started)."""
+
+    def run_chunk(self) -> bool:
+        """Run the next chunk; True once the whole prompt is in and the slot is started."""
+
+
 @dataclass
 class StepOutput:
     """Result of one batched step: one row per slot; rows of inactive slots are undefined."""
@@ -141,6 +157,10 @@ class Engine(Protocol):
         Afterwards the slot's Mimi state is fresh and its RNG is seeded from the persona's seed,
         so a slot started here and one restored from a snapshot behave identically.
         """
+
+    def begin_start(self, slot: int, prepared: PreparedPersona) -> SlotPrefill:
+        """`start` in pieces: reset `slot` and return the prefill, to run chunk by chunk. Until it
+        reports done the slot must not be stepped; releasing the slot abandons it."""
 
     def snapshot(self, slot: int) -> SlotSnapshot:
         """Copy of the slot's state right after `start` (before any `step`)."""

@@ -31,6 +31,7 @@ from personaplex_voice.engine.base import (
     Persona,
     PersonaError,
     PreparedPersona,
+    SlotPrefill,
     StepOutput,
     VoiceInfo,
 )
@@ -57,6 +58,10 @@ DEFAULT_VOICE = "NATF2.pt"
 PREFILL_MODES = ("parallel", "stepwise")
 AUDIO_VOICE_CACHE = 32  # encoded audio voices kept
 COMPACT_MAX_SLOT_BYTES = 64 * 2**20
+# Prompt positions per prefill chunk (`begin_start`): the scheduler runs whole chunks between
+# ticks while the next tick is not due, so a long prompt never holds up the running calls.
+PREFILL_CHUNK = 64
+PREFILL_CHUNK_STEPS = 4  # stepwise prefill: generator steps per chunk
 
 
 @dataclass
@@ -117,7 +122,8 @@ class PersonaPlexEngine:
     KV entries past the context (opt-in, see docs/engine.md); `capture_logits` keeps the last
     step's text and depformer logits in `last_text_logits` / `last_audio_logits` (tests);
     `cuda_graphs` captures the batched step as CUDA graphs (CUDA only); `compile` wraps the LM
-    step with torch.compile; `models` = (mimi, lm) reuses loaded modules instead of loading.
+    step with torch.compile; `models` = (mimi, lm) reuses loaded modules instead of loading;
+    `prefill_chunk` / `prefill_chunk_steps`: the size of one `begin_start` chunk.
     """
 
     sample_rate = SAMPLE_RATE
@@ -136,6 +142,8 @@ class PersonaPlexEngine:
         cuda_graphs: bool = False,
         compile: bool = False,
         models: tuple[Mimi, LMModel] | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        prefill_chunk_steps: int = PREFILL_CHUNK_STEPS,
     ):
         if num_slots < 1:
             raise UserError(f"num_slots must be at least 1, got {num_slots}")
@@ -148,6 +156,8 @@ class PersonaPlexEngine:
         self.device = torch.device(device)
         self.dtype = dtype or default_lm_dtype(self.device)
         self.prefill = prefill
+        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk_steps = prefill_chunk_steps
         self.keep_prompt = keep_prompt
         self.capture_logits = capture_logits
         if self.cfg.frame_size != FRAME_SIZE or self.cfg.sample_rate != SAMPLE_RATE:
@@ -336,57 +346,62 @@ class PersonaPlexEngine:
     def _seed(self, persona: Persona) -> int:
         return persona.seed if persona.seed is not None else secrets.randbelow(2**63)
 
-    @torch.no_grad()
     def start(self, slot: int, prepared: PreparedPersona) -> None:
+        prefill = self.begin_start(slot, prepared)
+        while not prefill.run_chunk():
+            pass
+
+    @torch.no_grad()
+    def begin_start(self, slot: int, prepared: PreparedPersona) -> SlotPrefill:
         self._check_slot(slot)
         plan: PromptPlan = prepared.payload
         self._reset_slot(slot)
         if self.keep_prompt:
             self.lm_state["transformer:pin"][slot] = plan.model_runs
         if self.prefill == "parallel":
-            self._prefill_parallel(slot, plan)
-        else:
-            self._prefill_stepwise(slot, plan)
+            return _ParallelPrefill(self, slot, prepared)
+        return _StepwisePrefill(self, slot, prepared)
+
+    def _finish_start(self, slot: int, prepared: PreparedPersona) -> None:
         self.sampler.configure(slot, prepared.persona.sampling, self._seed(prepared.persona))
         self._started[slot] = True
 
     def _slot_ctx(self, slot: int) -> StepContext:
         return StepContext({k: v[slot : slot + 1] for k, v in self.lm_state.items()})
 
-    def _prefill_parallel(self, slot: int, plan: PromptPlan) -> None:
+    def _prompt_inputs(self, plan: PromptPlan) -> torch.Tensor | None:
+        """The input embeddings of every model run of the prompt [P, dim] (None for none)."""
         parts = []
         if plan.replay is not None:
             parts.append(plan.replay.to(self.device, self.dtype))
         if plan.run_tokens.shape[0]:
             tokens = plan.run_tokens.to(self.device).T[None]  # [1, K, R]
             parts.append(self.lm.embed_codes(tokens)[0])
-        if parts:
-            x = torch.cat(parts)[None]
-            self.lm.transformer(x, self._slot_ctx(slot))
-        self.ring.load(slot, plan.final)
+        return torch.cat(parts) if parts else None
 
-    def _prefill_stepwise(self, slot: int, plan: PromptPlan) -> None:
+    def _prompt_step(self, slot: int, plan: PromptPlan, i: int) -> None:
+        """Step `i` of the prompt, replayed through the same code path as `step` (stepwise)."""
         B = self.num_slots
         active = torch.zeros(B, dtype=torch.bool, device=self.device)
         active[slot] = True
-        active_list = [i == slot for i in range(B)]
         given = active[:, None].expand(B, self.K)
+        row = plan.step_values[i].to(self.device)
+        self.ring.write_given(row[None].expand(B, self.K), given, active)
+        if int(self.ring.offset[slot]) == 0:
+            self.ring.first_step(slot)
+            return
         n_replay = 0 if plan.replay is None else plan.replay.shape[0]
-        override = torch.zeros(B, self.cfg.lm.dim, device=self.device, dtype=self.dtype)
-        for i, row in enumerate(plan.step_values.to(self.device)):
-            self.ring.write_given(row[None].expand(B, self.K), given, active)
-            if int(self.ring.offset[slot]) == 0:
-                self.ring.first_step(slot)
-                continue
-            replaying = plan.replay is not None and i <= n_replay
-            if replaying:
-                assert plan.replay is not None
-                override[slot] = plan.replay[i - 1].to(self.device, self.dtype)
-            sampling = self.sampler.draw_noise(active_list)
-            self._lm_step(self._full, active, sampling, override if replaying else None)
-            if replaying and i == n_replay:
-                assert plan.after_replay is not None
-                self.ring.cache[slot] = plan.after_replay.to(self.device)
+        replaying = plan.replay is not None and i <= n_replay
+        override = None
+        if replaying:
+            assert plan.replay is not None
+            override = torch.zeros(B, self.cfg.lm.dim, device=self.device, dtype=self.dtype)
+            override[slot] = plan.replay[i - 1].to(self.device, self.dtype)
+        sampling = self.sampler.draw_noise([b == slot for b in range(B)])
+        self._lm_step(self._full, active, sampling, override)
+        if replaying and i == n_replay:
+            assert plan.after_replay is not None
+            self.ring.cache[slot] = plan.after_replay.to(self.device)
 
     def snapshot(self, slot: int) -> EngineSnapshot:
         self._check_slot(slot)
@@ -410,8 +425,7 @@ class PersonaPlexEngine:
             else:
                 value[slot] = saved
         self.ring.load(slot, snapshot.ring)
-        self.sampler.configure(slot, prepared.persona.sampling, self._seed(prepared.persona))
-        self._started[slot] = True
+        self._finish_start(slot, prepared)
 
     def release(self, slot: int) -> None:
         self._check_slot(slot)
@@ -585,3 +599,59 @@ def golden_like_files(root: Path, name: str | None = None) -> Any:
         voice_dirs=(root / "voices",),
         lm_dtype_in_file=cfg.lm_dtype_in_file,
     )
+
+
+class _ParallelPrefill:
+    """The prompt as transformer forwards over `prefill_chunk` positions at a time."""
+
+    def __init__(self, engine: PersonaPlexEngine, slot: int, prepared: PreparedPersona):
+        self._engine, self._slot, self._prepared = engine, slot, prepared
+        self._plan: PromptPlan = prepared.payload
+        with torch.no_grad():
+            self._inputs = engine._prompt_inputs(self._plan)
+        self._done = 0  # positions run
+        self._total = 0 if self._inputs is None else int(self._inputs.shape[0])
+        self._chunk = max(1, engine.prefill_chunk)
+
+    @property
+    def remaining(self) -> int:
+        return -(-(self._total - self._done) // self._chunk) if self._inputs is not None else 0
+
+    @torch.no_grad()
+    def run_chunk(self) -> bool:
+        engine = self._engine
+        if self._inputs is not None and self._done < self._total:
+            end = min(self._total, self._done + self._chunk)
+            engine.lm.transformer(self._inputs[None, self._done : end], engine._slot_ctx(self._slot))
+            self._done = end
+            if end < self._total:
+                return False
+        self._inputs = None
+        engine.ring.load(self._slot, self._plan.final)
+        engine._finish_start(self._slot, self._prepared)
+        return True
+
+
+class _StepwisePrefill:
+    """The prompt replayed step by step (the published behaviour), `prefill_chunk_steps` a time."""
+
+    def __init__(self, engine: PersonaPlexEngine, slot: int, prepared: PreparedPersona):
+        self._engine, self._slot, self._prepared = engine, slot, prepared
+        self._plan: PromptPlan = prepared.payload
+        self._next = 0
+        self._chunk = max(1, engine.prefill_chunk_steps)
+
+    @property
+    def remaining(self) -> int:
+        return -(-(self._plan.steps - self._next) // self._chunk)
+
+    @torch.no_grad()
+    def run_chunk(self) -> bool:
+        end = min(self._plan.steps, self._next + self._chunk)
+        for i in range(self._next, end):
+            self._engine._prompt_step(self._slot, self._plan, i)
+        self._next = end
+        if end < self._plan.steps:
+            return False
+        self._engine._finish_start(self._slot, self._prepared)
+        return True

@@ -44,7 +44,8 @@ class LoopbackSnapshot:
 class LoopbackEngine:
     """Echo engine. Text pieces, when given, are emitted in turn (cycling) from each slot's first step.
 
-    `prefill_s` makes `start` sleep that long, like a real system prompt; `restore` is instant.
+    `prefill_s` makes `start` sleep that long, like a real system prompt, spread over chunks of
+    `prefill_chunk` prompt steps (`begin_start`); `restore` is instant.
     `starts`, `restores`, `steps` count calls, for tests. A `text_pieces` entry may be None
     (no text that frame).
     """
@@ -59,6 +60,7 @@ class LoopbackEngine:
         text_pieces: Sequence[str | None] | None = None,
         prefill_s: float = 0.0,
         name: str = "loopback",
+        prefill_chunk: int = 64,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -69,6 +71,7 @@ class LoopbackEngine:
         self.delay_frames = delay_frames
         self.text_pieces = list(text_pieces) if text_pieces else []
         self.prefill_s = prefill_s
+        self.prefill_chunk = max(1, prefill_chunk)
         # Per slot: a ring of the last `delay_frames` input frames and where it is read next.
         self._rings = np.zeros((num_slots, delay_frames, FRAME_SIZE), np.float32)
         self._read = np.zeros(num_slots, np.int64)
@@ -102,10 +105,18 @@ class LoopbackEngine:
         )
 
     def start(self, slot: int, prepared: PreparedPersona) -> None:
+        prefill = self.begin_start(slot, prepared)
+        while not prefill.run_chunk():
+            pass
+
+    def begin_start(self, slot: int, prepared: PreparedPersona) -> _LoopbackPrefill:
         self._check_slot(slot)
-        if self.prefill_s > 0:
-            time.sleep(self.prefill_s)
-        self._reset(slot, prepared.persona)
+        self._persona[slot] = None
+        chunks = max(1, -(-prepared.prompt_steps // self.prefill_chunk))
+        return _LoopbackPrefill(self, slot, prepared, chunks)
+
+    def _finish_start(self, slot: int, persona: Persona) -> None:
+        self._reset(slot, persona)
         with self._counts_lock:
             self.starts += 1
 
@@ -166,3 +177,27 @@ class LoopbackEngine:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise EngineError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+
+
+class _LoopbackPrefill:
+    """`begin_start`'s prefill: `prefill_s` of sleep in equal chunks."""
+
+    def __init__(self, engine: LoopbackEngine, slot: int, prepared: PreparedPersona, chunks: int):
+        self._engine, self._slot, self._prepared = engine, slot, prepared
+        self._left = chunks
+        self._chunk_s = engine.prefill_s / chunks
+
+    @property
+    def remaining(self) -> int:
+        return self._left
+
+    def run_chunk(self) -> bool:
+        if self._left <= 0:
+            return True
+        if self._chunk_s > 0:
+            time.sleep(self._chunk_s)
+        self._left -= 1
+        if self._left:
+            return False
+        self._engine._finish_start(self._slot, self._prepared.persona)
+        return True
