@@ -273,6 +273,7 @@ class RemoteSession:
         link = self._link
         if link is not None and tell_worker and previous in (_PLACING, _JOINING, _RUNNING):
             link.send(wire.message(Kind.CLOSE, self._channel, reason[:80].encode()))
+            link.freed_since_status += 1
         if link is not None and not tell_worker:
             link.channels.pop(self._channel, None)
         if self._open_future is not None and not self._open_future.done():
@@ -372,6 +373,7 @@ class WorkerLink:
         self.metrics_snapshot: dict[str, Any] = {}
         self.pending_opens = 0
         self.unacked_reservations = 0
+        self.freed_since_status = 0  # our sessions there that closed since its last report
         self.channels: dict[int, RemoteSession] = {}
         self.same_host = False
         self.connects = 0
@@ -547,6 +549,7 @@ class WorkerLink:
             if isinstance(metrics, dict):
                 self.metrics_snapshot = metrics
             self.status = status
+            self.freed_since_status = 0
             self.client._link_changed()
         elif kind is Kind.OPENED:
             session = self.channels.get(channel)
@@ -583,7 +586,8 @@ class WorkerLink:
     def free(self) -> int:
         if not self.up:
             return 0
-        return int(self.status.get("available", 0)) - self.pending_opens - self.unacked_reservations
+        reported = int(self.status.get("available", 0)) + self.freed_since_status
+        return min(reported, int(self.status.get("capacity", 0))) - self.pending_opens - self.unacked_reservations
 
     def holds(self, fingerprint: str) -> bool:
         return fingerprint in (self.status.get("cached") or ())
@@ -1050,6 +1054,7 @@ class ClusterClient:
                     },
                     "cached_personas": list(status.get("cached") or []) if link.up else [],
                     "sessions_by_frontend": frontends if link.up else {},
+                    "frontend_pids": (status.get("frontend_pids") or {}) if link.up else {},
                     "input_hop": status.get("input_hop"),
                 }
             )
@@ -1061,6 +1066,7 @@ class ClusterClient:
                 "node": os.uname().nodename,
                 "torch_loaded": "torch" in sys.modules,
                 "sessions": len(self._sessions),
+                "session_workers": {s.id: s.worker_id for s in self._sessions.values()},
                 "queued": len(self._queue),
                 "draining": self.draining,
                 "output_hop": self.output_hops.summary_ms(),

@@ -298,6 +298,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(channel, "engine", str(exc))
             return
         state.session = session
+        worker.occupancy_changed()
         if state.closing is not None or self.closed:
             session.close_nowait(state.closing or FRONTEND_LOST)
         self.send(
@@ -334,6 +335,7 @@ class _Connection(asyncio.Protocol):
         self._send_closed(channel, session.close_reason or "closed", None, None)
 
     def _send_closed(self, channel: int, reason: str, error: str | None, message: str | None) -> None:
+        self.worker.occupancy_changed()
         session = self.channels.get(channel)
         stats = session.session.stats if session is not None and session.session is not None else None
         self.send(
@@ -373,6 +375,7 @@ class EngineWorker:
         self.addresses: list[str] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._status_task: asyncio.Task[None] | None = None
+        self._status_soon: asyncio.Handle | None = None
         # front-end ticket id -> the manager's ticket id (None: the reservation was refused)
         self._tickets: dict[str, tuple[str | None, float]] = {}
         self.started_at = time.time()
@@ -449,9 +452,11 @@ class EngineWorker:
         if available is None:
             available = max(0, capacity - active - queued - reserved)
         per_frontend: dict[str, int] = {}
+        pids: dict[str, Any] = {}
         for connection in self.connections:
             if connection.authenticated:
                 name = connection.name
+                pids[name] = connection.frontend.get("pid")
                 per_frontend[name] = per_frontend.get(name, 0) + sum(
                     c.session is not None and not c.session.closed for c in connection.channels.values()
                 )
@@ -463,11 +468,26 @@ class EngineWorker:
             "available": int(available),
             "cached": self.cached.newest(len(manager.cache)),
             "frontends": per_frontend,
+            "frontend_pids": pids,
             "input_hop": self.input_hops.summary_ms() if with_metrics else None,
         }
         if with_metrics:
             status["metrics"] = manager.metrics.snapshot()
         return status
+
+    def occupancy_changed(self) -> None:
+        """A session came or went: every front-end hears it now, not at the next beat (so
+        placement and /readyz elsewhere see the slot at once)."""
+        if self._status_soon is None:
+            self._status_soon = asyncio.get_running_loop().call_soon(self._broadcast_status)
+
+    def _broadcast_status(self, with_metrics: bool = False) -> None:
+        self._status_soon = None
+        live = [c for c in self.connections if c.authenticated and not c.closed]
+        if live:
+            message = wire.json_message(Kind.STATUS, 0, self.status(with_metrics=with_metrics))
+            for connection in live:
+                connection.send(message)
 
     async def _status_loop(self) -> None:
         beat = 0
@@ -481,10 +501,7 @@ class EngineWorker:
                 if now - connection.last_seen > self.peer_timeout_s:
                     log.warning("front-end %s silent for %.1f s: disconnecting it", connection.name, self.peer_timeout_s)
                     connection.abort()
-            if live:
-                message = wire.json_message(Kind.STATUS, 0, self.status(with_metrics=with_metrics))
-                for connection in live:
-                    connection.send(message)
+            self._broadcast_status(with_metrics)
             self._expire_tickets(now)
 
     def _connection_authenticated(self, connection: _Connection) -> None:
@@ -531,6 +548,7 @@ class EngineWorker:
                 self._tickets[ticket] = (local.id, time.monotonic() + ttl_s + TICKET_WAIT_S)
                 answer.update(ok=True)
         connection.send(wire.json_message(Kind.RESERVED, request_id, answer))
+        self.occupancy_changed()
 
     def _cancel(self, ticket: str) -> None:
         local, _ = self._tickets.pop(ticket, (None, 0.0))
