@@ -123,8 +123,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
         self._hello_timer = self.loop.call_later(HELLO_TIMEOUT_S, self._no_hello)
 
     def data_received(self, data: bytes) -> None:
