@@ -19,7 +19,7 @@ from personaplex_voice.cluster.procs import host_identity
 from personaplex_voice.cluster.worker import EngineWorker, WorkerInfo
 from personaplex_voice.engine.base import FRAME_SIZE, CapacityError, Persona, PersonaError
 from personaplex_voice.engine.loopback import LoopbackEngine
-from personaplex_voice.sessions import SessionManager
+from personaplex_voice.sessions import SessionManager, TicketError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -202,3 +202,45 @@ async def test_drain_refuses_new_sessions_and_keeps_running_ones(tmp_path):
         frames = running.frames()
         assert (await asyncio.wait_for(frames.__anext__(), 2)).pcm.shape == (FRAME_SIZE,)
         assert not running.closed
+
+
+async def test_a_ticket_from_one_front_end_is_redeemed_through_another(tmp_path):
+    async with cluster(tmp_path, [1, 1]) as c:
+        other = ClusterClient(frontend_id="fe-other")
+        for link in c.client.links:
+            other.add_static_worker(link.worker_id, link.address, SECRET)
+        await other.start()
+        try:
+            await other.wait_for_workers(2, timeout=10)
+            persona = Persona(text_prompt="reserved for you", voice="LOOPM0")
+            ticket = c.client.reserve(ttl_s=10, persona=persona)
+            holder = ticket.id.partition(".")[0]
+            await until(lambda: other.reserved_count == 1 and other.available == 1)
+            ok, body = other.readiness()
+            assert ok and body["reserved"] == 1
+            unticketed = await other.open(Persona())
+            assert unticketed.worker_id != holder  # the reserved slot is not given away
+            await until(lambda: other.available == 0)
+            with pytest.raises(CapacityError):
+                await other.open(Persona())
+            session = await other.open(None, ticket=ticket.id)
+            await session.ready()
+            assert session.worker_id == holder and session.persona == persona
+            with pytest.raises(TicketError):
+                await other.open(Persona(), ticket=ticket.id)  # one time only
+            with pytest.raises(TicketError):
+                await other.open(Persona(), ticket=holder + ".made-up")
+            # an unredeemed ticket gives its slot back after its TTL
+            await session.close()
+            await until(lambda: c.client.available == 1)
+            short = c.client.reserve(ttl_s=0.5)
+            await until(lambda: c.client.available == 0, timeout=1)
+            await until(lambda: c.client.available == 1, timeout=3)
+            with pytest.raises(TicketError):
+                await other.open(Persona(), ticket=short.id)
+            cancelled = c.client.reserve(ttl_s=30)
+            await until(lambda: other.available == 0)
+            assert c.client.cancel(cancelled.id)
+            await until(lambda: other.available == 1)
+        finally:
+            await other.shutdown()

@@ -5,7 +5,6 @@ processes on one port (SO_REUSEPORT), two engine-worker processes; real WebSocke
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -84,28 +83,65 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
-def test_chat_sessions_land_on_both_front_ends_and_both_engine_workers(user_wav):
-    with running_server("--workers", "2", "--engine-workers", "2", "--max-sessions", "8") as server:
+TWILIO_ENV = {
+    "TWILIO_AUTH_TOKEN": AUTH_TOKEN,
+    "TWILIO_ACCOUNT_SID": "",  # no REST client: nothing may reach Twilio's cloud
+    "PUBLIC_URL": PUBLIC_URL,
+    "PERSONAPLEX_TWILIO_API_TOKEN": "cluster-test-api-token",
+}
+
+
+async def phone_call(sim: TwilioSimulator, speech_8k: np.ndarray):
+    """One simulated call: webhook (ticket), Media Stream (maybe on the other front-end),
+    speech in real time, a second to hear the end of the echo."""
+    call_sid, url, params = await asyncio.to_thread(sim.answer)
+    async with sim.media_stream(url, params, call_sid=call_sid) as call:
+        for _ in range(500):  # until our session is running and the audio flows
+            if call.played or call.closed.is_set():
+                break
+            await asyncio.sleep(0.01)
+        await call.play(speech_8k)
+        await call.play(np.zeros(RATE, np.float32))
+    return call
+
+
+def test_chat_and_phone_calls_land_on_both_front_ends_and_both_engine_workers(user_wav):
+    # 20 slots for 16 calls: two front-ends placing at once never race for the very last slot
+    args = ("--workers", "2", "--engine-workers", "2", "--max-sessions", "10", "--twilio")
+    with running_server(*args, env=TWILIO_ENV) as server:
         wait_cluster_up(server)
         watcher = Watcher(server)
+        sim = TwilioSimulator(server.url, AUTH_TOKEN, public_url=PUBLIC_URL)
+        speech_8k = resample_poly(user_wav, 1, 3).astype(np.float32)
 
         async def scenario():
             stop = asyncio.Event()
             watching = asyncio.create_task(watcher.run(stop))
             inputs = [np.roll(user_wav, i * SR // 3) for i in range(8)]
-            results = await asyncio.gather(*(chat(chat_url(server, seed=str(i)), x) for i, x in enumerate(inputs)))
+            chats = [chat(chat_url(server, seed=str(i)), x) for i, x in enumerate(inputs)]
+            phones = [phone_call(sim, np.roll(speech_8k, i * RATE // 3)) for i in range(8)]
+            results = await asyncio.gather(*chats, *phones)
             stop.set()
             await watching
-            return inputs, results
+            return inputs, results[:8], results[8:]
 
-        inputs, results = asyncio.run(scenario())
-        for sent, result in zip(inputs, results, strict=True):
+        inputs, chats, phones = asyncio.run(scenario())
+        for sent, result in zip(inputs, chats, strict=True):
             assert result.errors == [] and result.handshake and result.close_code == 1000
             assert echo_similarity(sent, result.pcm) >= 0.8
+        for i, call in enumerate(phones):
+            sent = resample_poly(np.roll(speech_8k, i * RATE // 3), 3, 1)
+            heard = resample_poly(call.played_audio(), 3, 1)
+            assert not call.others and call.close_code == 1000, (call.others, call.close_code)
+            assert echo_similarity(sent, heard) >= 0.8
+        # Twilio's buffer of ours never ran dry mid-call (the simulator's count of late media)
+        assert [c.late_frames for c in phones] == [0] * 8
         assert {f for f, _ in watcher.pairs} == {"fe0", "fe1"}, watcher.pairs
         assert {w for _, w in watcher.pairs} == {"w0", "w1"}, watcher.pairs
+        assert sum(watcher.peak_used.values()) >= 12  # they ran at once
         assert all(not f["torch_loaded"] for f in watcher.frontends.values())
         metrics = httpx.get(server.url + "/metrics").text
+        # no engine tick went without its caller's audio, on either worker
         assert metric_sum(metrics, "personaplex_late_frames_total") == 0
         assert 'personaplex_ticks_total{worker="w0"}' in metrics and 'worker="w1"' in metrics
 
@@ -177,7 +213,8 @@ def test_a_killed_front_end_frees_its_slots_and_is_restarted(user_wav):
         wait_cluster_up(server, workers=1)
 
         async def scenario():
-            calls = [asyncio.create_task(timed_chat(chat_url(server), np.tile(user_wav, 2))) for _ in range(4)]
+            long = np.tile(user_wav, 2)
+            calls = [asyncio.create_task(timed_chat(chat_url(server), long)) for _ in range(4)]
             state: dict = {}
 
             def both_used() -> bool:

@@ -58,7 +58,7 @@ from personaplex_voice.engine.base import (
     VoiceInfo,
 )
 from personaplex_voice.metrics import Counter, Gauge
-from personaplex_voice.sessions import OutFrame, SessionClosed
+from personaplex_voice.sessions import OutFrame, SessionClosed, Ticket, TicketError
 
 log = logging.getLogger("personaplex_voice.cluster.client")
 
@@ -82,18 +82,6 @@ EndpointResolver = Callable[[], Awaitable[Endpoint | None]]
 Discovery = Callable[["ClusterClient"], Awaitable[None]]
 
 
-class TicketRefused(CapacityError):
-    """The ticket is unknown, expired, used, or its engine worker is gone."""
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """A slot held on one engine worker for a session opened later with `open(..., ticket=id)`."""
-
-    id: str
-    expires_at: float  # time.monotonic() of this process
-
-
 # -- the session ---------------------------------------------------------------------------------
 
 _QUEUED, _PLACING, _JOINING, _RUNNING, _CLOSED = "queued", "placing", "joining", "running", "closed"
@@ -102,9 +90,9 @@ _QUEUED, _PLACING, _JOINING, _RUNNING, _CLOSED = "queued", "placing", "joining",
 class RemoteSession:
     """One conversation on an engine worker, with the `Session` API (see sessions.py)."""
 
-    def __init__(self, client: ClusterClient, persona: Persona):
+    def __init__(self, client: ClusterClient, persona: Persona | None):
         self.id = uuid.uuid4().hex[:16]
-        self.persona = persona
+        self.persona = persona  # None until the worker says which (a ticket's persona)
         self.queue_position: int | None = None
         self.close_reason: str | None = None
         self.worker_id: str | None = None
@@ -218,6 +206,12 @@ class RemoteSession:
             else:
                 await self._wait()
 
+    def seconds_to_next_tick(self) -> float | None:
+        """How long until the worker's engine next takes an input frame (from its last report,
+        projected on its frame period); None while its clock is idle or unknown."""
+        link = self._link
+        return None if link is None else link.seconds_to_next_tick()
+
     async def close(self, reason: str = "client") -> None:
         self._close(reason, None, tell_worker=True)
 
@@ -287,6 +281,9 @@ class RemoteSession:
     def _on_opened(self, answer: dict[str, Any]) -> None:
         if self._state != _PLACING:
             return
+        if self.persona is None:
+            with contextlib.suppress(PersonaError):
+                self.persona = wire.persona_from_json(answer.get("persona"))
         self._state = _JOINING
         if self._open_future is not None and not self._open_future.done():
             self._open_future.set_result(None)
@@ -374,6 +371,7 @@ class WorkerLink:
         self.pending_opens = 0
         self.unacked_reservations = 0
         self.freed_since_status = 0  # our sessions there that closed since its last report
+        self.tick_due_at: float | None = None  # our monotonic estimate of its next tick
         self.channels: dict[int, RemoteSession] = {}
         self.same_host = False
         self.connects = 0
@@ -550,6 +548,7 @@ class WorkerLink:
                 self.metrics_snapshot = metrics
             self.status = status
             self.freed_since_status = 0
+            self._note_tick(status.get("tick_due_in_s"))
             self.client._link_changed()
         elif kind is Kind.OPENED:
             session = self.channels.get(channel)
@@ -557,8 +556,10 @@ class WorkerLink:
                 session._on_opened(wire.parse_json(body))
         elif kind is Kind.READY:
             session = self.channels.get(channel)
+            answer = wire.parse_json(body)
+            self._note_tick(answer.get("tick_due_in_s"))
             if session is not None:
-                session._on_ready(wire.parse_json(body))
+                session._on_ready(answer)
         elif kind is Kind.CLOSED:
             session = self.channels.pop(channel, None)
             if session is not None:
@@ -580,6 +581,18 @@ class WorkerLink:
         else:
             raise WireError(f"{kind.name} is not sent to a front-end")
 
+    def _note_tick(self, due_in: Any) -> None:
+        self.tick_due_at = time.monotonic() + due_in if isinstance(due_in, int | float) else None
+
+    def seconds_to_next_tick(self) -> float | None:
+        due, period = self.tick_due_at, self.info.get("frame_period_s")
+        if due is None or not isinstance(period, int | float) or period <= 0:
+            return None
+        now = time.monotonic()
+        if due < now:
+            due += period * (int((now - due) / period) + 1)
+        return due - now
+
     # -- what placement sees ---------------------------------------------------------------------
 
     @property
@@ -599,7 +612,7 @@ def _refusal(answer: dict[str, Any]) -> EngineError:
     if kind == "persona":
         return PersonaError(message)
     if kind == "ticket":
-        return TicketRefused(message, retry_after_s=retry)
+        return TicketError(message, retry_after_s=retry)
     if kind == "capacity":
         return CapacityError(message, retry_after_s=retry)
     return EngineError(message)
@@ -830,13 +843,17 @@ class ClusterClient:
         for session in list(self._queue):
             session._close("shutdown", SessionClosed("shutdown"), tell_worker=False)
 
-    async def open(self, persona: Persona, ticket: str | None = None) -> RemoteSession:
-        """Place a conversation on an engine worker; see the module docstring."""
+    async def open(self, persona: Persona | None = None, *, ticket: str | None = None) -> RemoteSession:
+        """Place a conversation on an engine worker; see the module docstring. With `ticket`
+        (from `reserve`, on any front-end) it goes to the worker holding the slot, and `persona`
+        may be None to use the ticket's."""
         if not self._started:
             await self.start()
         if self.draining:
             self.metrics.sessions_rejected.inc(label="draining")
             raise CapacityError("this server is draining for a restart; retry in 1 s", retry_after_s=1.0)
+        if persona is None and ticket is None:
+            raise PersonaError("no persona given (and no ticket carrying one)")
         session = RemoteSession(self, persona)
         if ticket is not None:
             await self._open_with_ticket(session, ticket)
@@ -844,29 +861,39 @@ class ClusterClient:
             await self._open_anywhere(session)
         return session
 
-    def reserve(self, ttl_s: float) -> Ticket:
-        """Hold a slot on a worker for `ttl_s` seconds; `open(persona, ticket=t.id)` redeems it,
-        from any front-end. Raises CapacityError when no worker has a free slot."""
+    def reserve(self, ttl_s: float = 20.0, persona: Persona | None = None) -> Ticket:
+        """Hold a slot on a worker for `ttl_s` seconds; `open(..., ticket=t.id)` redeems it, from
+        any front-end (with `persona`, the one a persona-less `open` uses). Raises CapacityError
+        when no worker has a free slot. The worker takes the reservation a moment later; should
+        it find itself full meanwhile, redeeming the ticket raises TicketError."""
         if not 0.0 < ttl_s <= 3600.0:
             raise ValueError(f"ttl_s must be in (0, 3600], got {ttl_s}")
         link = self._choose(None) if not self.draining else None
         if link is None:
             self.metrics.sessions_rejected.inc(label="full")
             raise CapacityError(self._full_message(), retry_after_s=self.retry_after_s)
-        ticket = Ticket(f"{link.worker_id}.{secrets.token_urlsafe(18)}", time.monotonic() + ttl_s)
+        ticket = Ticket(f"{link.worker_id}.{secrets.token_urlsafe(18)}", time.monotonic() + ttl_s, persona)
         link.unacked_reservations += 1
-        link.send(wire.json_message(Kind.RESERVE, link.new_channel(), {"ticket": ticket.id, "ttl_s": ttl_s}))
+        request = {
+            "ticket": ticket.id,
+            "ttl_s": ttl_s,
+            "persona": None if persona is None else wire.persona_to_json(persona),
+        }
+        link.send(wire.json_message(Kind.RESERVE, link.new_channel(), request))
         return ticket
 
-    def cancel(self, ticket_id: str) -> None:
-        """Free a reserved slot (unknown tickets are ignored)."""
+    def cancel(self, ticket_id: str) -> bool:
+        """Give a reserved slot back. True when the worker holding it was told (whether it was
+        still outstanding there is the worker's to know); unknown tickets are ignored."""
         link = self._links.get(ticket_id.partition(".")[0])
-        if link is not None and link.up:
-            link.send(wire.message(Kind.CANCEL, 0, ticket_id.encode()))
+        if link is None or not link.up:
+            return False
+        link.send(wire.message(Kind.CANCEL, 0, ticket_id.encode()))
+        return True
 
     # ---- placement -----------------------------------------------------------------------------
 
-    def _choose(self, persona: Persona | None, exclude: set[str] = frozenset()) -> WorkerLink | None:  # type: ignore[assignment]
+    def _choose(self, persona: Persona | None, exclude: frozenset[str] | set[str] = frozenset()) -> WorkerLink | None:
         fingerprint = persona_fingerprint(persona) if persona is not None else ""
         candidates = [
             Candidate(link.worker_id, link.free, bool(fingerprint) and link.holds(fingerprint))
@@ -902,7 +929,7 @@ class ClusterClient:
         link = self._links.get(ticket.partition(".")[0])
         if link is None or not link.up:
             self.metrics.sessions_rejected.inc(label="ticket")
-            raise TicketRefused("the engine worker holding this ticket is not reachable", retry_after_s=None)
+            raise TicketError("the engine worker holding this ticket is not reachable", retry_after_s=None)
         await self._place(session, link, ticket)
 
     def _full_message(self) -> str:
@@ -920,10 +947,16 @@ class ClusterClient:
         session._state = _PLACING
         session._open_future = loop.create_future()
         link.channels[channel] = session
-        link.pending_opens += 1
+        pending = ticket is None  # a ticketed open takes the slot the worker already counts reserved
+        link.pending_opens += pending
         link.send(
             wire.json_message(
-                Kind.OPEN, channel, {"persona": wire.persona_to_json(session.persona), "ticket": ticket}
+                Kind.OPEN,
+                channel,
+                {
+                    "persona": None if session.persona is None else wire.persona_to_json(session.persona),
+                    "ticket": ticket,
+                },
             )
         )
         try:
@@ -935,7 +968,7 @@ class ClusterClient:
             self.metrics.sessions_rejected.inc(label="persona")
             raise
         finally:
-            link.pending_opens = max(0, link.pending_opens - 1)
+            link.pending_opens = max(0, link.pending_opens - pending)
         self._register(session)
 
     def _register(self, session: RemoteSession) -> None:

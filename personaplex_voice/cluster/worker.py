@@ -42,6 +42,7 @@ from personaplex_voice.cluster.placement import persona_fingerprint
 from personaplex_voice.cluster.procs import HopSamples, die_with_parent, host_identity
 from personaplex_voice.cluster.wire import Kind, WireError
 from personaplex_voice.engine.base import CapacityError, EngineError, PersonaError
+from personaplex_voice.sessions import TicketError
 
 log = logging.getLogger("personaplex_voice.cluster.worker")
 
@@ -281,13 +282,15 @@ class _Connection(asyncio.Protocol):
     async def _session_life(self, channel: int, state: _Channel, request: dict[str, Any]) -> None:
         worker = self.worker
         try:
-            persona = wire.persona_from_json(request.get("persona"))
             ticket = request.get("ticket")
-            session = await worker._open_session(persona, ticket if isinstance(ticket, str) else None)
+            ticket = ticket if isinstance(ticket, str) else None
+            raw = request.get("persona")
+            persona = None if raw is None and ticket is not None else wire.persona_from_json(raw)
+            session = await worker._open_session(persona, ticket)
         except PersonaError as exc:
             self._refuse(channel, "persona", str(exc))
             return
-        except TicketRefused as exc:
+        except TicketError as exc:
             self._refuse(channel, "ticket", str(exc), retry_after_s=exc.retry_after_s)
             return
         except CapacityError as exc:
@@ -302,7 +305,13 @@ class _Connection(asyncio.Protocol):
             session.close_nowait(state.closing or FRONTEND_LOST)
         self.send(
             wire.json_message(
-                Kind.OPENED, channel, {"session_id": session.id, "queue_position": session.queue_position}
+                Kind.OPENED,
+                channel,
+                {
+                    "session_id": session.id,
+                    "queue_position": session.queue_position,
+                    "persona": wire.persona_to_json(session.persona),
+                },
             )
         )
         try:
@@ -320,7 +329,10 @@ class _Connection(asyncio.Protocol):
             wire.json_message(
                 Kind.READY,
                 channel,
-                {k: stats.get(k) for k in ("cache_hit", "prefill_ms", "queue_wait_ms")},
+                {
+                    **{k: stats.get(k) for k in ("cache_hit", "prefill_ms", "queue_wait_ms")},
+                    "tick_due_in_s": session.seconds_to_next_tick(),
+                },
             )
         )
         lossless = state.lossless
@@ -342,10 +354,6 @@ class _Connection(asyncio.Protocol):
                 Kind.CLOSED, channel, {"reason": reason, "error": error, "message": message, "stats": stats}
             )
         )
-
-
-class TicketRefused(CapacityError):
-    """A ticket that is unknown here, expired, already used, or whose reservation failed."""
 
 
 class EngineWorker:
@@ -435,6 +443,7 @@ class EngineWorker:
             "realtime": self.manager.realtime,
             "lossless": self.manager.lossless,
             "output_frames": self.manager.output_frames,
+            "frame_period_s": self.manager.frame_period_s,
             "started_at": self.started_at,
             # how to export the metrics snapshot: {name: [counter|gauge|histogram, label name]}
             "metric_kinds": {
@@ -445,11 +454,8 @@ class EngineWorker:
     def status(self, with_metrics: bool = False) -> dict[str, Any]:
         manager = self.manager
         capacity = manager.capacity
-        reserved = int(getattr(manager, "reserved_count", 0))
+        reserved, available = manager.reserved_count, manager.available
         active, queued = manager.active_count, manager.queued_count
-        available = getattr(manager, "available", None)
-        if available is None:
-            available = max(0, capacity - active - queued - reserved)
         per_frontend: dict[str, int] = {}
         pids: dict[str, Any] = {}
         for connection in self.connections:
@@ -469,10 +475,18 @@ class EngineWorker:
             "frontends": per_frontend,
             "frontend_pids": pids,
             "input_hop": self.input_hops.summary_ms() if with_metrics else None,
+            "tick_due_in_s": self.tick_due_in_s(),
         }
         if with_metrics:
             status["metrics"] = manager.metrics.snapshot()
         return status
+
+    def tick_due_in_s(self) -> float | None:
+        """When the engine's next tick takes input (None while its clock is idle), so front-ends
+        can phase paced input against it (`Session.seconds_to_next_tick`)."""
+        for session in self.manager.sessions:
+            return session.seconds_to_next_tick()
+        return None
 
     def occupancy_changed(self) -> None:
         """A session came or went: every front-end hears it now, not at the next beat (so
@@ -515,6 +529,7 @@ class EngineWorker:
     # -- sessions and tickets ------------------------------------------------------------------
 
     async def _open_session(self, persona: Any, ticket: str | None) -> Any:
+        """`manager.open`, with a front-end's ticket mapped to the manager's own."""
         if ticket is None:
             return await self.manager.open(persona)
         deadline = time.monotonic() + TICKET_WAIT_S
@@ -522,27 +537,28 @@ class EngineWorker:
             await asyncio.sleep(0.02)
         local, _ = self._tickets.pop(ticket, (None, 0.0))
         if local is None:
-            raise TicketRefused("unknown, expired or used ticket", retry_after_s=None)
-        try:
-            return await self.manager.open(persona, ticket=local)
-        except CapacityError as exc:  # the manager's own ticket errors derive from it
-            raise TicketRefused(str(exc), retry_after_s=exc.retry_after_s) from None
+            raise TicketError("unknown, expired or already used reservation ticket")
+        return await self.manager.open(persona, ticket=local)
 
     def _reserve(self, connection: _Connection, request_id: int, request: dict[str, Any]) -> None:
         ticket = str(request.get("ticket") or "")[:200]
-        ttl_s = float(request.get("ttl_s") or 0.0)
+        ttl = request.get("ttl_s")
+        ttl_s = float(ttl) if isinstance(ttl, int | float) else 0.0
         answer: dict[str, Any] = {"ticket": ticket}
-        reserve = getattr(self.manager, "reserve", None)
+        try:
+            persona = None if request.get("persona") is None else wire.persona_from_json(request["persona"])
+        except PersonaError as exc:
+            persona, answer["error"] = None, str(exc)
         if not ticket or not (0.0 < ttl_s <= 3600.0):
             answer.update(error="bad reservation request")
-        elif reserve is None:
-            answer.update(error="this engine worker's manager takes no reservations")
+        if "error" in answer:
+            self._tickets[ticket] = (None, time.monotonic() + 5.0)
         else:
             try:
-                local = reserve(ttl_s)
-            except CapacityError as exc:
+                local = self.manager.reserve(ttl_s, persona=persona)
+            except EngineError as exc:  # CapacityError, or shutting down
                 self._tickets[ticket] = (None, time.monotonic() + ttl_s)
-                answer.update(error=str(exc), retry_after_s=exc.retry_after_s)
+                answer.update(error=str(exc), retry_after_s=getattr(exc, "retry_after_s", None))
             else:
                 self._tickets[ticket] = (local.id, time.monotonic() + ttl_s + TICKET_WAIT_S)
                 answer.update(ok=True)
@@ -551,9 +567,9 @@ class EngineWorker:
 
     def _cancel(self, ticket: str) -> None:
         local, _ = self._tickets.pop(ticket, (None, 0.0))
-        cancel = getattr(self.manager, "cancel", None)
-        if local is not None and cancel is not None:
-            cancel(local)
+        if local is not None:
+            self.manager.cancel(local)
+            self.occupancy_changed()
 
     def _expire_tickets(self, now: float) -> None:
         for ticket, (_, expires) in list(self._tickets.items()):
