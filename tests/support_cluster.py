@@ -1,7 +1,7 @@
 """Helpers for the cluster tests: a real engine-worker process, `/api/cluster` and process checks.
 
-    with running_worker(tmp_path, {"engine": "echo", "max_sessions": 2}) as worker:
-        client.add_static_worker("w0", worker.address, worker.secret)
+with running_worker(tmp_path, {"engine": "echo", "max_sessions": 2}) as worker:
+    client.add_static_worker("w0", worker.address, worker.secret)
 """
 
 from __future__ import annotations

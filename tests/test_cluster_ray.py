@@ -59,7 +59,9 @@ def ray_cluster(golden_dir) -> Iterator[tuple[Cluster, object]]:
         cluster.shutdown()
 
 
-def test_sessions_from_one_front_end_use_both_nodes_and_a_lost_node_ends_only_its_own(ray_cluster, golden_dir):
+def test_sessions_from_one_front_end_use_both_nodes_and_a_lost_node_ends_only_its_own(
+    ray_cluster, golden_dir
+):
     cluster, golden_node = ray_cluster
     nodes = ray.nodes()
     assert len(nodes) == 2 and {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}
@@ -73,7 +75,9 @@ def test_sessions_from_one_front_end_use_both_nodes_and_a_lost_node_ends_only_it
 
         wait_for(both_up, timeout=60, what="both engine actors found")
         state = cluster_state(server.url)
-        assert {w["node"] for w in state["workers"]} == {"127.0.0.1"} and not state["frontend"]["torch_loaded"]
+        assert {w["node"] for w in state["workers"]} == {"127.0.0.1"} and not state["frontend"][
+            "torch_loaded"
+        ]
         assert {w["id"]: w["engine"] for w in state["workers"]}[ECHO] == "loopback"
 
         async def scenario():

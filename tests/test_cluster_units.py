@@ -26,7 +26,12 @@ def test_frames_and_audio_round_trip_bit_exact_through_any_split_of_the_stream()
     messages = []
     for i in range(0, len(stream), 1000):  # the kernel may cut anywhere
         messages += reader.feed(stream[i : i + 1000])
-    assert [(k, c) for k, c, _ in messages] == [(Kind.FRAME, 7), (Kind.FRAME, 8), (Kind.AUDIO, 9), (Kind.OPEN, 10)]
+    assert [(k, c) for k, c, _ in messages] == [
+        (Kind.FRAME, 7),
+        (Kind.FRAME, 8),
+        (Kind.AUDIO, 9),
+        (Kind.OPEN, 10),
+    ]
     index, stamp, got, text, got_tokens = wire.parse_frame(messages[0][2])
     assert (index, stamp, text) == (41, 12.5, " héllo")
     np.testing.assert_array_equal(got, pcm)

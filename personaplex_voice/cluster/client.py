@@ -69,7 +69,6 @@ PING_INTERVAL_S = 0.25
 RECONNECT_S = (0.2, 0.5, 1.0, 2.0)  # back-off between attempts to reach a worker that is down
 
 
-
 @dataclass(frozen=True)
 class Endpoint:
     """Where an engine worker listens (`unix:PATH` or `tcp:HOST:PORT`) and the secret it wants."""
@@ -145,7 +144,8 @@ class RemoteSession:
             "queue_wait_ms": None,
             **{k: v for k, v in worker.items() if k not in ("id", "state", "slot", "queue_position")},
             **local,
-            "dropped_output_frames": local["dropped_output_frames"] + int(worker.get("dropped_output_frames") or 0),
+            "dropped_output_frames": local["dropped_output_frames"]
+            + int(worker.get("dropped_output_frames") or 0),
             "id": self.id,
             "state": self._state,
             "slot": None,
@@ -411,7 +411,7 @@ class WorkerLink:
                     attempt = 0 if self.connects else attempt
             except asyncio.CancelledError:
                 raise
-            except (OSError, WireError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError, WireError) as exc:
                 log.debug("engine worker %s unreachable: %s", self.worker_id, exc)
             except Exception:
                 log.exception("link to engine worker %s failed", self.worker_id)
@@ -467,7 +467,11 @@ class WorkerLink:
                 await asyncio.wait({protocol.lost}, timeout=PING_INTERVAL_S)
                 now = time.monotonic()
                 if now - self.last_seen > client.peer_timeout_s:
-                    log.warning("engine worker %s silent for %.1f s: treated as lost", self.worker_id, now - self.last_seen)
+                    log.warning(
+                        "engine worker %s silent for %.1f s: treated as lost",
+                        self.worker_id,
+                        now - self.last_seen,
+                    )
                     transport.abort()
                     break
                 if now - self._last_sent >= PING_INTERVAL_S:
@@ -600,7 +604,11 @@ class WorkerLink:
         if not self.up:
             return 0
         reported = int(self.status.get("available", 0)) + self.freed_since_status
-        return min(reported, int(self.status.get("capacity", 0))) - self.pending_opens - self.unacked_reservations
+        return (
+            min(reported, int(self.status.get("capacity", 0)))
+            - self.pending_opens
+            - self.unacked_reservations
+        )
 
     def holds(self, fingerprint: str) -> bool:
         return fingerprint in (self.status.get("cached") or ())
@@ -636,17 +644,23 @@ class FrontendMetrics:
     @classmethod
     def create(cls) -> FrontendMetrics:
         return cls(
-            sessions_opened=Counter("frontend_sessions_opened_total", "Sessions this front-end placed or queued"),
+            sessions_opened=Counter(
+                "frontend_sessions_opened_total", "Sessions this front-end placed or queued"
+            ),
             sessions_rejected=Counter(
                 "frontend_sessions_rejected_total", "Opens this front-end refused, by reason", label="reason"
             ),
             sessions_closed=Counter(
-                "frontend_sessions_closed_total", "Sessions of this front-end ended, by reason", label="reason"
+                "frontend_sessions_closed_total",
+                "Sessions of this front-end ended, by reason",
+                label="reason",
             ),
             engine_lost_sessions=Counter(
                 "frontend_engine_lost_sessions_total", "Sessions ended because their engine worker went away"
             ),
-            queued_sessions=Gauge("frontend_queued_sessions", "Sessions waiting in this front-end for a slot"),
+            queued_sessions=Gauge(
+                "frontend_queued_sessions", "Sessions waiting in this front-end for a slot"
+            ),
             local_sessions=Gauge("frontend_sessions", "Open sessions of this front-end"),
             workers_up=Gauge("frontend_engine_workers_up", "Engine workers this front-end is connected to"),
         )
@@ -677,7 +691,9 @@ class ClusterEngineView:
         for link in self._client.links_up():
             for voice in link.info.get("voices") or ():
                 if isinstance(voice, dict) and voice.get("name") not in seen:
-                    seen[voice["name"]] = VoiceInfo(str(voice["name"]), str(voice["kind"]), str(voice["source"]))
+                    seen[voice["name"]] = VoiceInfo(
+                        str(voice["name"]), str(voice["kind"]), str(voice["source"])
+                    )
         return list(seen.values())
 
 
@@ -687,8 +703,9 @@ class ClusterClient:
     Workers are added with `add_worker(worker_id, resolve)`: `resolve()` returns the worker's
     current `Endpoint` or None while it is unknown; it is called before each connection attempt
     (Ray discovery answers with the actor's new address after a restart). `add_discovery(fn)`
-    runs `fn(client)` as a task from `start` (it adds and removes workers as it finds them). `realtime` must match the workers' mode (it decides whether audio pushed before a
-    session is ready is dropped, as a realtime manager does).
+    runs `fn(client)` as a task from `start` (it adds and removes workers as it finds them).
+    `realtime` must match the workers' mode (it decides whether audio pushed before a session is
+    ready is dropped, as a realtime manager does).
     """
 
     def __init__(
@@ -774,7 +791,9 @@ class ClusterClient:
         deadline = time.monotonic() + timeout
         while len(self.links_up()) < count:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(self.links_up())} of {count} engine workers up after {timeout:.0f} s")
+                raise TimeoutError(
+                    f"{len(self.links_up())} of {count} engine workers up after {timeout:.0f} s"
+                )
             fut = asyncio.get_running_loop().create_future()
             self._link_waiters.append(fut)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -784,7 +803,9 @@ class ClusterClient:
 
     @property
     def capacity(self) -> int:
-        return sum(int(link.status.get("capacity", link.info.get("num_slots", 0))) for link in self.links_up())
+        return sum(
+            int(link.status.get("capacity", link.info.get("num_slots", 0))) for link in self.links_up()
+        )
 
     @property
     def active_count(self) -> int:
@@ -796,7 +817,9 @@ class ClusterClient:
 
     @property
     def reserved_count(self) -> int:
-        return sum(int(link.status.get("reserved", 0)) + link.unacked_reservations for link in self.links_up())
+        return sum(
+            int(link.status.get("reserved", 0)) + link.unacked_reservations for link in self.links_up()
+        )
 
     @property
     def available(self) -> int:
@@ -893,7 +916,9 @@ class ClusterClient:
 
     # ---- placement -----------------------------------------------------------------------------
 
-    def _choose(self, persona: Persona | None, exclude: frozenset[str] | set[str] = frozenset()) -> WorkerLink | None:
+    def _choose(
+        self, persona: Persona | None, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> WorkerLink | None:
         fingerprint = persona_fingerprint(persona) if persona is not None else ""
         candidates = [
             Candidate(link.worker_id, link.free, bool(fingerprint) and link.holds(fingerprint))
@@ -961,9 +986,11 @@ class ClusterClient:
         )
         try:
             await asyncio.wait_for(asyncio.shield(session._open_future), OPEN_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             session._close("engine_error", EngineError("the engine worker did not answer"), tell_worker=True)
-            raise EngineError(f"engine worker {link.worker_id} did not answer in {OPEN_TIMEOUT_S:.0f} s") from None
+            raise EngineError(
+                f"engine worker {link.worker_id} did not answer in {OPEN_TIMEOUT_S:.0f} s"
+            ) from None
         except PersonaError:
             self.metrics.sessions_rejected.inc(label="persona")
             raise
@@ -1076,12 +1103,16 @@ class ClusterClient:
                     "device": info.get("device"),
                     "engine": info.get("engine"),
                     "generation": info.get("generation", 0),
-                    "restarts": max(0, link.connects - 1) if "generation" not in info else info.get("generation"),
+                    "restarts": max(0, link.connects - 1)
+                    if "generation" not in info
+                    else info.get("generation"),
                     "slots": {
                         "capacity": capacity,
                         "used": int(status.get("active", 0)) if link.up else 0,
                         "reserved": int(status.get("reserved", 0)) if link.up else 0,
-                        "free": max(0, capacity - int(status.get("active", 0)) - int(status.get("reserved", 0)))
+                        "free": max(
+                            0, capacity - int(status.get("active", 0)) - int(status.get("reserved", 0))
+                        )
                         if link.up
                         else 0,
                     },

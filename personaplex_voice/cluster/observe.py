@@ -28,7 +28,9 @@ class WorkerMetricsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         links = self._client.links
-        up = GaugeMetricFamily(PREFIX + "engine_worker_up", "1 while this front-end is connected", labels=["worker"])
+        up = GaugeMetricFamily(
+            PREFIX + "engine_worker_up", "1 while this front-end is connected", labels=["worker"]
+        )
         restarts = GaugeMetricFamily(
             PREFIX + "engine_worker_restarts", "Times the engine worker was restarted", labels=["worker"]
         )
@@ -80,7 +82,9 @@ def _add(families: dict[str, Metric], name: str, kind: Any, label: Any, worker: 
     elif kind == "histogram" and isinstance(value, dict) and isinstance(value.get("buckets"), dict):
         family = families.get(name)
         if family is None:
-            family = families[name] = HistogramMetricFamily(full, f"{name} (engine worker)", labels=["worker"])
+            family = families[name] = HistogramMetricFamily(
+                full, f"{name} (engine worker)", labels=["worker"]
+            )
         buckets = sorted(
             ((bound, int(count)) for bound, count in value["buckets"].items()),
             key=lambda item: float("inf") if item[0] == "+Inf" else float(item[0]),

@@ -79,7 +79,7 @@ class HopSamples:
             return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
         p50, p99 = np.percentile(values, [50, 99]) * 1000
         return {
-            "count": int(len(values)),
+            "count": len(values),
             "p50_ms": round(float(p50), 3),
             "p99_ms": round(float(p99), 3),
             "max_ms": round(float(values.max() * 1000), 3),

@@ -16,6 +16,7 @@ workers stop; a second signal hurries every child along.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -85,10 +86,8 @@ class Child:
     def signal(self, signum: int) -> None:
         if self.alive:
             assert self.process is not None
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signum)
-            except ProcessLookupError:
-                pass
 
 
 def free_port(host: str) -> int:
@@ -136,8 +135,16 @@ class Supervisor:
                 sock = self.runtime_dir / f"{worker_id}.sock"
                 workers.append(f"{worker_id}=unix:{sock}")
 
-                def engine_argv(generation: int, worker_id: str = worker_id, sock: Path = sock, device=device):
-                    argv = [sys.executable, "-m", "personaplex_voice.cluster.worker", "--settings", str(settings_file)]
+                def engine_argv(
+                    generation: int, worker_id: str = worker_id, sock: Path = sock, device=device
+                ):
+                    argv = [
+                        sys.executable,
+                        "-m",
+                        "personaplex_voice.cluster.worker",
+                        "--settings",
+                        str(settings_file),
+                    ]
                     argv += ["--listen", f"unix:{sock}", "--id", worker_id, "--generation", str(generation)]
                     return argv + (["--device", device] if device else [])
 
@@ -147,7 +154,13 @@ class Supervisor:
         for i in range(settings.workers or 1):
 
             def frontend_argv(generation: int, index: int = i) -> list[str]:
-                argv = [sys.executable, "-m", "personaplex_voice.cluster.frontend", "--settings", str(settings_file)]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "personaplex_voice.cluster.frontend",
+                    "--settings",
+                    str(settings_file),
+                ]
                 argv += ["--index", str(index), "--port", str(self.port)]
                 for spec in workers:
                     argv += ["--worker", spec]
@@ -209,10 +222,16 @@ class Supervisor:
                     assert child.process is not None
                     code = child.process.returncode
                     if child.kind == "engine" and not child.ever_ready:
-                        return f"engine worker {child.name} could not start (exit code {code}; see its log above)"
+                        return f"engine worker {child.name} could not start (exit code {code}; see its log)"
                     delay = child.backoff.delay(now - child.started_at)
                     child.restart_at = now + delay
-                    log.warning("%s (pid %d) exited with %s: restarting in %.1f s", child.name, child.process.pid, code, delay)
+                    log.warning(
+                        "%s (pid %d) exited with %s: restarting in %.1f s",
+                        child.name,
+                        child.process.pid,
+                        code,
+                        delay,
+                    )
                 elif now >= child.restart_at:
                     child.generation += 1
                     child.start()

@@ -228,7 +228,9 @@ class _Connection(asyncio.Protocol):
     def _hello(self, hello: dict[str, Any]) -> None:
         secret = str(hello.get("secret") or "")
         if hello.get("version") != wire.PROTOCOL_VERSION:
-            raise WireError(f"protocol version {hello.get('version')!r}, this worker speaks {wire.PROTOCOL_VERSION}")
+            raise WireError(
+                f"protocol version {hello.get('version')!r}, this worker speaks {wire.PROTOCOL_VERSION}"
+            )
         if not hmac.compare_digest(secret.encode(), self.worker.secret.encode()):
             raise WireError("wrong cluster secret")
         self.authenticated = True
@@ -273,7 +275,9 @@ class _Connection(asyncio.Protocol):
             log.exception("session on channel %d of %s failed", channel, self.name)
             if state.session is not None:
                 state.session.close_nowait("engine_error")
-                self._send_closed(channel, state.session.close_reason or "engine_error", "engine", "worker error")
+                self._send_closed(
+                    channel, state.session.close_reason or "engine_error", "engine", "worker error"
+                )
             else:
                 self._refuse(channel, "engine", "the engine worker failed to open the session")
         finally:
@@ -447,7 +451,8 @@ class EngineWorker:
             "started_at": self.started_at,
             # how to export the metrics snapshot: {name: [counter|gauge|histogram, label name]}
             "metric_kinds": {
-                inst.name: [inst.kind, getattr(inst, "label", None)] for inst in self.manager.metrics.instruments()
+                inst.name: [inst.kind, getattr(inst, "label", None)]
+                for inst in self.manager.metrics.instruments()
             },
         }
 
@@ -512,7 +517,11 @@ class EngineWorker:
             live = [c for c in self.connections if c.authenticated and not c.closed]
             for connection in live:
                 if now - connection.last_seen > self.peer_timeout_s:
-                    log.warning("front-end %s silent for %.1f s: disconnecting it", connection.name, self.peer_timeout_s)
+                    log.warning(
+                        "front-end %s silent for %.1f s: disconnecting it",
+                        connection.name,
+                        self.peer_timeout_s,
+                    )
                     connection.abort()
             self._broadcast_status(with_metrics)
             self._expire_tickets(now)
@@ -621,7 +630,9 @@ async def _serve(worker: EngineWorker, listen: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="personaplex-voice engine worker (started by the supervisor)")
+    parser = argparse.ArgumentParser(
+        description="personaplex-voice engine worker (started by the supervisor)"
+    )
     parser.add_argument("--settings", required=True, help="JSON file of ServerSettings values")
     parser.add_argument("--listen", action="append", required=True, help="unix:PATH or tcp:HOST:PORT")
     parser.add_argument("--id", default="w0", help="worker id (no dots)")

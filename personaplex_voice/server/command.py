@@ -117,13 +117,15 @@ def serve(
     ray: Annotated[
         str | None,
         typer.Option(
-            help="Join this Ray cluster (auto or HOST:PORT): engine workers are Ray actors (env PERSONAPLEX_RAY)"
+            help="Join this Ray cluster (auto or HOST:PORT): engine workers are Ray actors "
+            "(env PERSONAPLEX_RAY)"
         ),
     ] = None,
     drain_s: Annotated[
         float | None,
         typer.Option(
-            help="Cluster: on SIGTERM admit nothing new and let calls run this long (env PERSONAPLEX_DRAIN_S; 30)"
+            help="Cluster: on SIGTERM admit nothing new and let calls run this long "
+            "(env PERSONAPLEX_DRAIN_S; 30)"
         ),
     ] = None,
 ) -> None:
@@ -182,7 +184,10 @@ def check_files(settings: ServerSettings) -> None:
             raise UserError(f"{flag} {path}: no such file")
 
 
-def configure_logging(settings: ServerSettings, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(settings: ServerSettings, fmt: str = LOG_FORMAT) -> None:
     level = settings.log_level.upper()
     # The CLI set up warnings-only logging; a server wants its info lines, with timestamps.
     logging.basicConfig(level=level, format=fmt, force=True)
