@@ -58,14 +58,15 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
 
 
 class HopSamples:
-    """The last `size` one-way delays of frames crossing a connection (seconds), for p50/p99.
-    Appended from one thread (the event loop that receives), read anywhere."""
+    """The last `size` one-way delays of frames crossing a connection (seconds) with when they
+    were taken, for p50/p99 over a recent window. Appended from one thread (the event loop that
+    receives), read anywhere."""
 
     def __init__(self, size: int = 20_000):
-        self._values: deque[float] = deque(maxlen=size)
+        self._values: deque[tuple[float, float]] = deque(maxlen=size)
 
     def add(self, seconds: float) -> None:
-        self._values.append(seconds)
+        self._values.append((time.monotonic(), seconds))
 
     def clear(self) -> None:
         self._values.clear()
@@ -73,8 +74,10 @@ class HopSamples:
     def __len__(self) -> int:
         return len(self._values)
 
-    def summary_ms(self) -> dict[str, float | int | None]:
-        values = np.fromiter(list(self._values), np.float64)
+    def summary_ms(self, window_s: float = 10.0) -> dict[str, float | int | None]:
+        """Count, p50, p99 and max (ms) of the samples of the last `window_s` seconds."""
+        since = time.monotonic() - window_s
+        values = np.array([v for t, v in list(self._values) if t >= since], np.float64)
         if not len(values):
             return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
         p50, p99 = np.percentile(values, [50, 99]) * 1000

@@ -8,8 +8,8 @@ uses for the node) with a secret of its own; `endpoint()` tells both to whoever 
 actors named `personaplex-engine-*` in the `personaplex` namespace every second, connect to each,
 and ask again for the address whenever a connection drops (a restarted actor listens elsewhere).
 
-`serve --ray ADDRESS --engine-workers N` (or `--gpus 0,1,...`: N = the list's length, one GPU
-each) creates the missing actors as detached, so they outlive the process that made them (a
+`serve --ray ADDRESS --engine-workers N` (one GPU each with `--device cuda`; or `--gpus 0,1,...`:
+N = the list's length) creates the missing actors as detached, so they outlive the process that made them (a
 front-end deploy must not reload a 16 GB model); `stop_engine_actors(address)` removes them.
 """
 
@@ -123,16 +123,19 @@ def start_engine_actor(
 
 
 def ensure_engine_actors(address: str, settings_values: dict[str, Any], settings: Any) -> list[str]:
-    """The supervisor's part with `--ray`: the N engine actors exist (missing ones created)."""
+    """The supervisor's part with `--ray`: the N engine actors exist (missing ones created).
+
+    N is `--engine-workers`, or the length of `--gpus` (Ray picks the GPUs: the indices do not
+    matter there). Each actor takes one GPU with `--gpus` or a `cuda` `--device`, else one CPU."""
     ray = _ray()
-    gpus = settings.gpu_list
-    count = len(gpus) or settings.engine_workers
+    gpus = bool(settings.gpu_list) or str(settings.device).startswith("cuda")
+    count = settings.engine_workers or len(settings.gpu_list)
     ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False)
     names = []
     try:
         for i in range(count):
             name = f"{NAME_PREFIX}{i}"
-            values = {**settings_values, "device": "cuda"} if gpus else settings_values
+            values = {**settings_values, "device": "cuda"} if gpus else {**settings_values, "device": "cpu"}
             start_engine_actor(name, values, num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1)
             names.append(name)
         log.info("Ray: engine actors %s requested (they load in the background)", ", ".join(names))
