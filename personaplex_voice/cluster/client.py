@@ -368,6 +368,7 @@ class WorkerLink:
         self.info: dict[str, Any] = {}
         self.status: dict[str, Any] = {}
         self.metrics_snapshot: dict[str, Any] = {}
+        self.input_hop: dict[str, Any] | None = None  # the worker's view of our frames' hop
         self.pending_opens = 0
         self.unacked_reservations = 0
         self.freed_since_status = 0  # our sessions there that closed since its last report
@@ -548,8 +549,9 @@ class WorkerLink:
         elif kind is Kind.STATUS:
             status = wire.parse_json(body)
             metrics = status.pop("metrics", None)
-            if isinstance(metrics, dict):
+            if isinstance(metrics, dict):  # once a second, with the input hop
                 self.metrics_snapshot = metrics
+                self.input_hop = status.pop("input_hop", None)
             self.status = status
             self.freed_since_status = 0
             self._note_tick(status.get("tick_due_in_s"))
@@ -1119,7 +1121,7 @@ class ClusterClient:
                     "cached_personas": list(status.get("cached") or []) if link.up else [],
                     "sessions_by_frontend": frontends if link.up else {},
                     "frontend_pids": (status.get("frontend_pids") or {}) if link.up else {},
-                    "input_hop": status.get("input_hop"),
+                    "input_hop": link.input_hop if link.up else None,
                 }
             )
         return {

@@ -479,11 +479,11 @@ class EngineWorker:
             "cached": self.cached.newest(len(manager.cache)),
             "frontends": per_frontend,
             "frontend_pids": pids,
-            "input_hop": self.input_hops.summary_ms() if with_metrics else None,
             "tick_due_in_s": self.tick_due_in_s(),
         }
         if with_metrics:
             status["metrics"] = manager.metrics.snapshot()
+            status["input_hop"] = self.input_hops.summary_ms()
         return status
 
     def tick_due_in_s(self) -> float | None:
