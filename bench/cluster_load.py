@@ -21,6 +21,9 @@ to the worker's session, stamped on the shared monotonic clock (`/api/cluster` r
 the last 10 s); `hop_added_ms_*` is the sum of the two directions' p50 (p99): what the split adds
 to a round trip.
 
+First, the engine worker alone (`--isolated-sessions`, 64: one worker, one client in this
+process, no simulators): its CPU per call-second and the hop, without CPU contention.
+
 Last line: {"twilio_calls_1_frontend", "twilio_calls_2_frontends", "chat_sessions_1_frontend",
 "chat_sessions_2_frontends", "hop_added_ms_p50", "hop_added_ms_p99",
 "frontend_cpu_ms_per_call_s", "engine_worker_cpu_ms_per_call_s", ...}
@@ -200,6 +203,78 @@ def run_chat_level(base_url: str, ws_url: str, clients: int, seconds: float) -> 
     return {"clients": clients, **row}
 
 
+# -- the engine worker alone ------------------------------------------------------------------------
+
+
+def isolated_worker_cost(sessions: int, seconds: float) -> dict:
+    """One echo engine worker process and, in this process, one ClusterClient with `sessions`
+    sessions pushing 20 ms of audio each every 20 ms (at spread phases, as real callers): the
+    worker's CPU per call-second and the hop both ways, with no simulators, transports or second
+    front-end competing for the CPU."""
+    import json as _json
+    import subprocess
+    import tempfile
+
+    import numpy as np
+
+    from personaplex_voice.cluster.client import ClusterClient
+    from personaplex_voice.engine.base import Persona
+
+    tmp = Path(tempfile.mkdtemp(prefix="cluster-load-"))
+    settings = {"engine": "echo", "max_sessions": sessions, "log_level": "warning", "idle_timeout_s": 0}
+    (tmp / "settings.json").write_text(_json.dumps(settings))
+    sock = tmp / "w0.sock"
+    cmd = [sys.executable, "-m", "personaplex_voice.cluster.worker", "--settings", str(tmp / "settings.json")]
+    env = {**os.environ, "PERSONAPLEX_CLUSTER_SECRET": "bench"}
+    worker = subprocess.Popen([*cmd, "--listen", f"unix:{sock}"], env=env)
+    result: dict = {}
+
+    async def main() -> None:
+        client = ClusterClient(frontend_id="bench")
+        client.add_static_worker("w0", f"unix:{sock}", "bench")
+        await client.start()
+        await client.wait_for_workers(1, timeout=60)
+        await asyncio.sleep(0.5)
+        calls = [await client.open(Persona(text_prompt="bench")) for _ in range(sessions)]
+        await asyncio.gather(*(c.ready() for c in calls))
+        chunk = (0.1 * np.random.default_rng(0).standard_normal(480)).astype(np.float32)
+
+        async def consume(session) -> None:
+            async for _ in session.frames():
+                pass
+
+        readers = [asyncio.create_task(consume(c)) for c in calls]
+        # Callers are not in step: 16 groups, their 20 ms messages spread over the period.
+        groups = [calls[g::16] for g in range(16)]
+        cpu0, t0, k = cpu_seconds(worker.pid), time.monotonic(), 0
+        while time.monotonic() - t0 < seconds:
+            for session in groups[k % 16]:
+                session.push(chunk)
+            k += 1
+            await asyncio.sleep(max(0.0, t0 + k * 0.020 / 16 - time.monotonic()))
+        cpu = cpu_seconds(worker.pid) - cpu0
+        await asyncio.sleep(1.2)  # the worker's next metrics beat carries its input hop
+        status = client.cluster_status()
+        out, into = status["frontend"]["output_hop"], status["workers"][0]["input_hop"] or {}
+        result.update(
+            sessions=sessions,
+            worker_cpu_ms_per_call_s=round(1000 * cpu / (sessions * seconds), 3),
+            hop_added_ms_p50=round((out["p50_ms"] or 0) + (into.get("p50_ms") or 0), 3),
+            hop_added_ms_p99=round((out["p99_ms"] or 0) + (into.get("p99_ms") or 0), 3),
+        )
+        for session in calls:
+            await session.close()
+        await asyncio.gather(*readers)
+        await client.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    return result
+
+
 # -- one configuration ------------------------------------------------------------------------------
 
 
@@ -281,7 +356,10 @@ def main() -> None:
     parser.add_argument("--chat-levels", default="8,16,32,48")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--ramp-ms", type=float, default=10.0)
+    parser.add_argument("--isolated-sessions", type=int, default=64)
     args = parser.parse_args()
+    isolated = isolated_worker_cost(args.isolated_sessions, 8.0)
+    print(json.dumps({"isolated_worker": isolated}), flush=True)
     one = run_config(1, args)
     two = run_config(2, args)
     cost = two["cost_row"] or one["cost_row"] or {}
@@ -300,6 +378,9 @@ def main() -> None:
         "cost_engine_worker_cpu_s": cost.get("engine_worker_cpu_s"),
         "cost_simulator_cpu_ms_per_call_s": cost.get("simulator_cpu_ms_per_call_second"),
         "frontend_cpu_ms_per_call_s_1_frontend": (one["cost_row"] or {}).get("frontend_cpu_ms_per_call_s"),
+        "isolated_worker_cpu_ms_per_call_s": isolated["worker_cpu_ms_per_call_s"],
+        "isolated_hop_added_ms_p50": isolated["hop_added_ms_p50"],
+        "isolated_hop_added_ms_p99": isolated["hop_added_ms_p99"],
         "seconds_per_level": args.seconds,
         "cpu_count": os.cpu_count(),
     }

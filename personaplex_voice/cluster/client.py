@@ -133,6 +133,8 @@ class RemoteSession:
 
     @property
     def stats(self) -> dict[str, Any]:
+        """The `Session.stats` keys: this side's counts (frames that crossed, drops here) over the
+        worker's (its READY, then its final stats once the session ended), plus `worker`."""
         worker = self._worker_stats
         local = dict(self._counts)
         return {
@@ -158,6 +160,7 @@ class RemoteSession:
         }
 
     async def ready(self) -> None:
+        """Until the worker runs the session; raises PersonaError / SessionClosed as `Session`."""
         while True:
             if self._was_ready:
                 return
@@ -168,6 +171,7 @@ class RemoteSession:
             await self._wait()
 
     def push(self, pcm: np.ndarray) -> None:
+        """As `Session.push`: whole frames go to the worker as they complete."""
         raw = np.asarray(pcm)
         if raw.dtype.kind not in "f":
             raise ValueError(f"push wants float samples in [-1, 1], got {raw.dtype} (scale int16 by 1/32768)")
@@ -189,12 +193,14 @@ class RemoteSession:
         self._send_input()
 
     def end_input(self) -> None:
+        """As `Session.end_input`: the padded last frame, then END_INPUT."""
         if self._input_ended or self._state == _CLOSED:
             return
         self._input_ended = True
         self._send_input()
 
     async def frames(self) -> AsyncIterator[OutFrame]:
+        """Output frames as they arrive; ends once the session ended and every frame was taken."""
         while True:
             if self._out:
                 frame = self._out.popleft()
