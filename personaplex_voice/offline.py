@@ -76,7 +76,7 @@ def run_offline(
             frames_in[slot] = padded[i * FRAME_SIZE : (i + 1) * FRAME_SIZE]
             out = engine.step(frames_in, active)
             out_pcm[i * FRAME_SIZE : (i + 1) * FRAME_SIZE] = out.pcm[slot]
-            token = None if out.text_tokens is None else int(out.text_tokens[slot])
+            token = None if out.tokens is None else int(out.tokens[slot, 0])
             pieces.append(_piece_for_output(out.text[slot], token))
             if on_frame is not None:
                 on_frame(i)
