@@ -526,8 +526,8 @@ class PersonaPlexEngine:
         idx = torch.from_numpy(rows).to(self.device)
         full = self._full
         tick = _Tick(
-            {k: v.index_select(0, idx) for k, v in full.lm_state.items()},
-            {k: v.index_select(0, idx) for k, v in full.mimi_state.items()},
+            {k: _rows(v, idx) for k, v in full.lm_state.items()},
+            {k: _rows(v, idx) for k, v in full.mimi_state.items()},
             full.ring.subset(idx),
             full.sampler.subset(idx),
             None if full.audio_logits is None else full.audio_logits.index_select(0, idx),
@@ -536,9 +536,9 @@ class PersonaPlexEngine:
             tick, torch.from_numpy(pcm[rows]).to(self.device), None, sampling
         )
         for key, value in full.lm_state.items():
-            value.index_copy_(0, idx, tick.lm_state[key])
+            _store_rows(value, idx, tick.lm_state[key])
         for key, value in full.mimi_state.items():
-            value.index_copy_(0, idx, tick.mimi_state[key])
+            _store_rows(value, idx, tick.mimi_state[key])
         full.ring.store(idx, tick.ring)
         if self.capture_logits:
             assert full.audio_logits is not None and tick.audio_logits is not None
@@ -549,6 +549,19 @@ class PersonaPlexEngine:
         out = torch.zeros(self.num_slots, sub_out.shape[1], dtype=sub_out.dtype, device=self.device)
         pcm_out = torch.zeros(self.num_slots, FRAME_SIZE, device=self.device)
         return out.index_copy_(0, idx, sub_out), pcm_out.index_copy_(0, idx, sub_pcm)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """float8 tensors have no index_select / index_copy kernels: move their bytes instead."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _bytes_view(t).index_select(0, index).view(t.dtype)
+
+
+def _store_rows(t: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    _bytes_view(t).index_copy_(0, index, _bytes_view(rows))
 
 
 def golden_like_files(root: Path, name: str | None = None) -> Any:

@@ -6,8 +6,9 @@ half of bfloat16. Embeddings, norms and Mimi stay as they are.
 
 The matmul, chosen by measurement (docs/engine.md, "int8 weights"):
 - CPU: `torch._weight_int8pack_mm` (torch's own int8 weight-only kernel; with bfloat16
-  activations twice as fast as the bfloat16 matmul at batch 1); torchao's int8 weight-only
-  layout runs no faster than dequantising here, so it is not a dependency.
+  activations twice as fast as the bfloat16 matmul at batch 1), for inner widths that are
+  multiples of 32; torchao's int8 weight-only layout runs no faster than dequantising here, so
+  it is not a dependency.
 - CUDA: the rows are cast to the activation dtype and multiplied by cuBLAS, the scale applied to
   the output (y = (x @ q^T) * scale, exact algebra). This trades memory traffic for memory: it is
   for GPUs where the bfloat16 weights do not fit; `bench/gpu_check.sh` times the alternatives.
@@ -25,6 +26,9 @@ from torch.nn import functional as F
 
 QUANTIZE_MODES = ("none", "int8")
 _QMAX = 127.0
+# torch's CPU int8 kernel reads the inner dimension in blocks of 32 (other widths crash it:
+# measured with torch 2.13); such layers (tiny models only, the 7B's are multiples) dequantise.
+INT8PACK_K_MULTIPLE = 32
 
 
 class Int8Weight(nn.Module):
@@ -61,7 +65,7 @@ class Int8Weight(nn.Module):
         """x [..., in] -> [..., out]."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and x.shape[-1] % INT8PACK_K_MULTIPLE == 0:
             scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
             y = torch._weight_int8pack_mm(x2.contiguous(), self.q, scale)
         else:
