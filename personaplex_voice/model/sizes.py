@@ -102,5 +102,6 @@ def memory_table(cfg: ModelConfig | None = None) -> str:
             f for f in ("--quantize int8" if quantize else "", "--kv-dtype float8" if kv else "") if f
         )
         label = f"{weights_name}" + (f" (`{flags}`)" if flags else "")
-        lines.append(f"| {label} | {kv_name} | {plan.weights / GIB:.1f} | {plan.per_call / GIB:.2f} | {calls} |")
+        sizes = f"{plan.weights / GIB:.1f} | {plan.per_call / GIB:.2f}"
+        lines.append(f"| {label} | {kv_name} | {sizes} | {calls} |")
     return "\n".join(lines)
