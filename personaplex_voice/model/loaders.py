@@ -225,7 +225,7 @@ def _load_into(
             for k in range(1, source.repeat):
                 value[k * rows : (k + 1) * rows].copy_(value[:rows])
             if quantize is not None and name in quantize:
-                set_weight(model, name, Int8Weight.quantize(value, float_dtype))
+                set_weight(model, name, Int8Weight.quantize(value))
             else:
                 set_weight(model, name, value)
             del value
@@ -280,7 +280,7 @@ def load_lm(
         finally:
             torch.set_default_dtype(previous)
         if quantize:
-            quantize_model_(model, dtype)
+            quantize_model_(model)
         return model.eval()
     with torch.device("meta"):
         model = LMModel(cfg.lm)
@@ -318,7 +318,7 @@ def load_models(
             lm = load_lm(files.config, None, "cpu", torch.float32).to(device=device, dtype=dtype)
         mimi.refresh()
         if check_quantize(quantize):
-            quantize_model_(lm, dtype)
+            quantize_model_(lm)
     else:
         mimi = load_mimi(files.config, files.mimi_weights, device)
         lm = load_lm(files.config, files.lm_weights, device, dtype, quantize=quantize)

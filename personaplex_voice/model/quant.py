@@ -29,10 +29,11 @@ _QMAX = 127.0
 # torch's CPU int8 kernel reads the inner dimension in blocks of 32 (other widths crash it:
 # measured with torch 2.13); such layers (tiny models only, the 7B's are multiples) dequantise.
 INT8PACK_K_MULTIPLE = 32
+SCALE_DTYPE = torch.bfloat16
 
 
 class Int8Weight(nn.Module):
-    """A [out, in] weight as int8 rows `q` and per-row `scale` (the activations' dtype)."""
+    """A [out, in] weight as int8 rows `q` and a bfloat16 `scale` per row."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         super().__init__()
@@ -40,13 +41,15 @@ class Int8Weight(nn.Module):
         self.register_buffer("scale", scale)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, scale_dtype: torch.dtype) -> Int8Weight:
-        """Round `weight` [out, in] (any float dtype, any device) to int8 rows."""
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Round `weight` [out, in] (any float dtype, any device) to int8 rows. The scales are
+        kept in bfloat16 (2 bytes a row, whatever the activations' dtype; the rows are rounded
+        against the stored scale, so it is exact for them)."""
         w = weight.detach().float()
         absmax = w.abs().amax(dim=1)
-        scale = torch.where(absmax > 0, absmax / _QMAX, torch.ones_like(absmax))
-        q = torch.round(w / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
-        return cls(q, scale.to(scale_dtype))
+        scale = torch.where(absmax > 0, absmax / _QMAX, torch.ones_like(absmax)).to(SCALE_DTYPE)
+        q = torch.round(w / scale.float()[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+        return cls(q, scale)
 
     @property
     def shape(self) -> torch.Size:
@@ -124,11 +127,11 @@ def set_weight(model: nn.Module, name: str, value: torch.Tensor | Int8Weight) ->
         raise KeyError(name)
 
 
-def quantize_model_(model: nn.Module, scale_dtype: torch.dtype) -> None:
+def quantize_model_(model: nn.Module) -> None:
     """Replace every quantizable weight of `model` (already loaded) by its `Int8Weight`."""
     for name in quantizable_weights(model):
         weight = model.get_parameter(name)
-        set_weight(model, name, Int8Weight.quantize(weight, scale_dtype))
+        set_weight(model, name, Int8Weight.quantize(weight))
         del weight
 
 

@@ -66,7 +66,7 @@ def memory_plan(
     quantized = set(quantizable_weights(lm)) if quantize == "int8" else set()
     for name, tensor in lm.state_dict().items():
         if name in quantized:
-            weights += tensor.numel() + tensor.shape[0] * element  # int8 rows + a scale per row
+            weights += tensor.numel() + tensor.shape[0] * 2  # int8 rows + a bfloat16 scale per row
         else:
             weights += tensor.numel() * element
     weights += _nbytes(mimi.state_dict())
