@@ -62,7 +62,9 @@ def test_offline_stepwise_bfloat16_equals_the_stepwise_bfloat16_engine(golden_di
     assert "--prefill stepwise --dtype bfloat16" in docs
 
 
-def test_int8_weights_halve_the_linear_layers_and_run(golden_dir, expected, tmp_path, record_property) -> None:
+def test_int8_weights_halve_the_linear_layers_and_run(
+    golden_dir, expected, tmp_path, record_property
+) -> None:
     engine = PersonaPlexEngine(golden_like_files(golden_dir), quantize="int8", capture_logits=True)
     names = quantizable_weights(engine.lm)
     assert names and all(isinstance(engine.lm.get_submodule(n), Int8Weight) for n in names)
@@ -108,13 +110,17 @@ def test_fp8_kv_cache_quarters_float32_and_restores(golden_dir, expected, record
             rows[slot].append(engine.last_tokens[slot].copy())
     np.testing.assert_array_equal(np.stack(rows[0]), np.stack(rows[1]))
     agreement = float(np.mean(np.stack(rows[0])[:, 0] == expected["pt_voice__tokens"][:30, 0]))
-    report(record_property, "fp8_kv_text_token_agreement", agreement, "with float32, golden pt_voice, 30 steps")
+    report(
+        record_property, "fp8_kv_text_token_agreement", agreement, "with float32, golden pt_voice, 30 steps"
+    )
 
 
 def all_state(engine: PersonaPlexEngine) -> dict[str, torch.Tensor]:
     state = {f"lm/{k}": v.clone() for k, v in engine.lm_state.items()}
     state.update({f"mimi/{k}": v.clone() for k, v in engine.mimi_state.items()})
-    state.update(cache=engine.ring.cache.clone(), provided=engine.ring.provided.clone(), greedy=engine.sampler.greedy)
+    state.update(
+        cache=engine.ring.cache.clone(), provided=engine.ring.provided.clone(), greedy=engine.sampler.greedy
+    )
     return state
 
 

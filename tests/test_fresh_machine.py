@@ -33,7 +33,9 @@ def no_opus_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     env = env or {k: v for k, v in os.environ.items() if k != "PERSONAPLEX_DEBUG"}
     return subprocess.run(
         [*cli_command(), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -48,11 +50,18 @@ def test_the_shim_really_hides_libopus(no_opus_env) -> None:
 
 def test_offline_works_without_libopus(golden_dir: Path, tmp_path: Path, no_opus_env) -> None:
     out_wav, out_json = tmp_path / "out.wav", tmp_path / "out.json"
-    proc = run(
-        ["offline", "--model", str(golden_dir), "--device", "cpu", "--greedy", "--voice-prompt", "TINYF0.pt",
-         "--input-wav", str(golden_dir / "user.wav"), "--output-wav", str(out_wav), "--output-text", str(out_json)],
-        no_opus_env,
-    )  # fmt: skip
+    args = [
+        "offline",
+        "--model",
+        str(golden_dir),
+        "--device",
+        "cpu",
+        "--greedy",
+        "--voice-prompt",
+        "TINYF0.pt",
+    ]
+    args += ["--input-wav", str(golden_dir / "user.wav"), "--output-wav", str(out_wav)]
+    proc = run([*args, "--output-text", str(out_json)], no_opus_env)
     assert proc.returncode == 0, proc.stderr
     assert out_wav.stat().st_size > 0 and len(json.loads(out_json.read_text(encoding="utf-8"))) == 70
 

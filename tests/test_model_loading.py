@@ -24,7 +24,12 @@ from personaplex_voice.errors import UserError
 from personaplex_voice.model.config import ModelConfig
 from personaplex_voice.model.lm import LMModel, embed
 from personaplex_voice.model.loaders import MIMI_RENAMES, load_lm, load_mimi
-from personaplex_voice.model.safetensors_io import SafetensorsFile, TensorSpec, save_state_dict, write_safetensors
+from personaplex_voice.model.safetensors_io import (
+    SafetensorsFile,
+    TensorSpec,
+    save_state_dict,
+    write_safetensors,
+)
 from personaplex_voice.model.streaming import StepContext
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +145,9 @@ def test_old_mimi_buffer_names_load(golden_dir, tmp_path) -> None:
     for key, value in load_file(str(golden_dir / "mimi.safetensors")).items():
         prefix, _, leaf = key.rpartition(".")
         renamed[f"{prefix}.{old.get(leaf, leaf)}"] = value
-    assert any(k.endswith(".embed_avg") for k in renamed) and not any(k.endswith(".embedding_sum") for k in renamed)
+    assert any(k.endswith(".embed_avg") for k in renamed) and not any(
+        k.endswith(".embedding_sum") for k in renamed
+    )
     save_file(renamed, str(tmp_path / "old.safetensors"))
     mimi = load_mimi(cfg, tmp_path / "old.safetensors")
     reference = load_mimi(cfg, golden_dir / "mimi.safetensors")
