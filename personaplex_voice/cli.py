@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         # Standalone mode: the CLI library itself answers usage errors (unknown option, bad
         # value) with its short usage message and exit status 2, --help with exit 0.
         app(args=args, prog_name="personaplex-voice", standalone_mode=True)
+    except SystemExit as exc:
+        if exc.code not in (0, None):  # standalone mode exits even on success: return then
+            raise
     except (UserError, EngineError) as exc:
         if debug:
             raise

@@ -33,8 +33,8 @@ def expected(golden_dir):
 
 def report(record_property, name: str, value: float, detail: str) -> None:
     """A measured number in the test output (warnings summary) and the junit properties."""
-    record_property(name, value)
-    warnings.warn(f"{name} = {value:.3f} ({detail})", UserWarning, stacklevel=2)
+    record_property(name, float(value))  # a plain float: xdist sends it between processes
+    warnings.warn(f"{name} = {value:.4f} ({detail})", UserWarning, stacklevel=2)
 
 
 def short_user(golden_dir: Path, tmp_path: Path, frames: int) -> Path:
