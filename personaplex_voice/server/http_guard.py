@@ -110,8 +110,9 @@ class _HeadGuard:
             piece = data[pos : pos + _SLICE]
             pos += len(piece)
             self._head_bytes += len(piece)
+            self._line_ended = self._line_ended or b"\n" in piece
             if self._head_bytes > self.limits.max_head_bytes:
-                if self._header_count:
+                if self._line_ended:
                     self._refuse(431, f"the request's headers are over {self.limits.max_header_bytes} bytes")
                 else:
                     self._refuse_long_line()
@@ -189,6 +190,7 @@ class _HeadGuard:
     def _start_waiting_for_head(self) -> None:
         self._waiting = True
         self._head_bytes = 0
+        self._line_ended = False  # the request line's end has arrived
         self._url_bytes = self._header_count = self._header_bytes = 0
         self._stop_head_timer()
         loop = asyncio.get_running_loop()
