@@ -19,16 +19,23 @@ PREFILL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 
 class Counter:
-    """Monotonic count, optionally split by one label (e.g. a close reason)."""
+    """Monotonic count, optionally split by one label (e.g. a close reason).
+
+    `allowed` bounds the label's values (a Prometheus series per value): any other value is
+    counted under "other", so text a client chose can never mint new series.
+    """
 
     kind = "counter"
 
-    def __init__(self, name: str, help: str, label: str | None = None):
+    def __init__(self, name: str, help: str, label: str | None = None, allowed: frozenset[str] | None = None):
         self.name, self.help, self.label = name, help, label
+        self.allowed = allowed
         self._lock = threading.Lock()
         self._values: dict[str, float] = {} if label else {"": 0.0}
 
     def inc(self, amount: float = 1.0, label: str = "") -> None:
+        if self.allowed is not None and label not in self.allowed:
+            label = "other"
         with self._lock:
             self._values[label] = self._values.get(label, 0.0) + amount
 
@@ -120,6 +127,27 @@ class Histogram:
 
 Instrument = Counter | Gauge | Histogram
 
+# The label values the session metrics may carry (anything else is counted as "other").
+# Close reasons: the session layer's own, plus the generic ones transports pass to `close`.
+CLOSE_REASONS = frozenset(
+    {
+        "client",  # the transport closed it (caller left, hung up, finished)
+        "input_ended",
+        "max_duration",
+        "idle",
+        "persona_error",
+        "engine_error",
+        "engine_lost",  # the engine (worker) serving it went away
+        "shutdown",
+        "refused",  # the transport refused the caller after opening (bad input, too fast...)
+        "slow_client",
+        "transport_error",
+        "other",
+    }
+)
+ENGINE_METHODS = frozenset({"start", "step", "release", "snapshot", "restore", "other"})
+TICKET_OUTCOMES = frozenset({"issued", "redeemed", "cancelled", "expired", "refused", "other"})
+
 
 @dataclass
 class SessionMetrics:
@@ -146,6 +174,9 @@ class SessionMetrics:
     sessions_rejected: Counter
     sessions_closed: Counter
     engine_errors: Counter
+    slot_failures: Counter
+    reserved_slots: Gauge
+    tickets: Counter
 
     @classmethod
     def create(cls) -> SessionMetrics:
@@ -186,8 +217,25 @@ class SessionMetrics:
             sessions_rejected=Counter(
                 "sessions_rejected_total", "Opens refused for capacity", label="reason"
             ),
-            sessions_closed=Counter("sessions_closed_total", "Sessions ended, by reason", label="reason"),
-            engine_errors=Counter("engine_errors_total", "Exceptions raised by the engine", label="method"),
+            sessions_closed=Counter(
+                "sessions_closed_total", "Sessions ended, by reason", label="reason", allowed=CLOSE_REASONS
+            ),
+            engine_errors=Counter(
+                "engine_errors_total",
+                "Exceptions raised by the engine",
+                label="method",
+                allowed=ENGINE_METHODS,
+            ),
+            slot_failures=Counter(
+                "slot_failures_total", "Sessions ended because the engine failed a step for their slot"
+            ),
+            reserved_slots=Gauge("reserved_slots", "Slots held by reservation tickets not yet redeemed"),
+            tickets=Counter(
+                "reservation_tickets_total",
+                "Reservation tickets, by what became of them",
+                label="outcome",
+                allowed=TICKET_OUTCOMES,
+            ),
         )
 
     def instruments(self) -> Iterator[Instrument]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import time
 import uuid
@@ -37,11 +38,34 @@ from personaplex_voice.engine.base import (
     Engine,
     EngineError,
     Persona,
+    PersonaError,
     PreparedPersona,
 )
 from personaplex_voice.engine.persona_cache import PersonaCache
 from personaplex_voice.engine.scheduler import FRAME_SECONDS, Scheduler, SlotState, SpareTrimmer
 from personaplex_voice.metrics import SessionMetrics
+
+
+class TicketError(CapacityError):
+    """A reservation ticket that is unknown, expired or already used: the caller gets no slot."""
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A slot set aside by `SessionManager.reserve` for one later `open(..., ticket=id)`.
+
+    `id` is unguessable (it is the only thing a redeemer presents) and works once;
+    `expires_at` is on the `time.monotonic()` clock; `persona` is the one `open` uses when
+    given none (so whoever reserved can decide who the agent is, e.g. a Twilio webhook).
+    """
+
+    id: str
+    expires_at: float
+    persona: Persona | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        return max(0.0, self.expires_at - time.monotonic())
 
 
 class SessionClosed(EngineError):
@@ -226,6 +250,12 @@ class Session:
             else:
                 await fut
 
+    def seconds_to_next_tick(self) -> float | None:
+        """How long until the engine's next tick takes an input frame (None while its clock is
+        idle: the first full frame of a ready session then starts it at once). Transports that
+        pace input (the Twilio bridge) use it to phase their audio against the ticks."""
+        return self._manager._scheduler.seconds_to_next_tick()
+
     async def close(self, reason: str = "client") -> None:
         """End the session and free its slot at once (idempotent)."""
         self._manager._close(self, reason)
@@ -389,6 +419,7 @@ class SessionManager:
 
         self._scheduler = Scheduler(
             engine,
+            housekeeping=self._expire_tickets,
             metrics=self.metrics,
             cache=self.cache,
             close=self._close,
@@ -409,6 +440,8 @@ class SessionManager:
         self._cond = self._scheduler.cond
         self._queue: list[Session] = []
         self._sessions: dict[str, Session] = {}
+        self._tickets: dict[str, Ticket] = {}  # reserved slots not yet redeemed
+        self._redeeming = 0  # tickets presented to an `open` still preparing its persona
         self._shut_down = False  # open() does not restart a manager that was shut down
         self._prepare_pool: ThreadPoolExecutor | None = None  # made by start(), ended by shutdown()
 
@@ -428,6 +461,60 @@ class SessionManager:
         return len(self._queue)
 
     @property
+    def reserved_count(self) -> int:
+        """Slots set aside by reservation tickets (not yet redeemed, not expired)."""
+        with self._cond:
+            self._expire_tickets()
+            return len(self._tickets) + self._redeeming
+
+    @property
+    def available(self) -> int:
+        """Slots an `open` without a ticket could take now (0 = it would queue or be refused)."""
+        with self._cond:
+            self._expire_tickets()
+            return max(0, self._unreserved_free()) if not self._queue else 0
+
+    def reserve(self, ttl_s: float = 20.0, persona: Persona | None = None) -> Ticket:
+        """Set a slot aside for one later `open(..., ticket=ticket.id)`.
+
+        The slot counts as taken (for every other open, for queueing, for readiness) until the
+        ticket is redeemed, cancelled (`cancel`) or `ttl_s` passes. Raises CapacityError when no
+        slot is free for it (reservations never jump the queue). `persona` is used by an `open`
+        that redeems the ticket without naming one.
+        """
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        with self._cond:
+            self._expire_tickets()
+            if self._scheduler.stopping or self._shut_down:
+                raise EngineError("the session manager is shutting down")
+            if self._queue or self._unreserved_free() <= 0:
+                self.metrics.tickets.inc(label="refused")
+                self.metrics.sessions_rejected.inc(label="reserve_full")
+                raise CapacityError(
+                    f"all {self.capacity} sessions are busy or reserved; retry in {self.retry_after_s:g} s",
+                    retry_after_s=self.retry_after_s,
+                )
+            ticket = Ticket(secrets.token_urlsafe(18), time.monotonic() + ttl_s, persona)
+            self._tickets[ticket.id] = ticket
+            self.metrics.tickets.inc(label="issued")
+            self._update_gauges()
+            return ticket
+
+    def cancel(self, ticket_id: str) -> bool:
+        """Give a reserved slot back (e.g. the call it was for hung up first). True when the
+        ticket was still outstanding."""
+        with self._cond:
+            ticket = self._tickets.pop(ticket_id, None)
+            if ticket is None:
+                return False
+            self.metrics.tickets.inc(label="cancelled")
+            self._admit_from_queue()
+            self._update_gauges()
+            self._cond.notify_all()
+            return True
+
+    @property
     def sessions(self) -> list[Session]:
         """Every session not yet closed (queued, joining or running)."""
         with self._cond:
@@ -445,28 +532,55 @@ class SessionManager:
                 )
             self._scheduler.start()
 
-    async def open(self, persona: Persona) -> Session:
+    async def open(self, persona: Persona | None = None, *, ticket: str | None = None) -> Session:
         """Admit a conversation. Returns at once (prefill happens on the inference thread; await
-        `session.ready()`). Raises PersonaError for a bad persona, CapacityError when full."""
+        `session.ready()`). Raises PersonaError for a bad persona, CapacityError when full,
+        TicketError for a ticket that is unknown, expired or used.
+
+        With `ticket` (from `reserve`) the session takes the slot set aside for it, ahead of any
+        queue; `persona` may then be None to use the ticket's.
+        """
         if not self._shut_down:
             await self.start()
+        reserved: Ticket | None = None
         with self._cond:
-            self._check_capacity()  # refuse before doing any work when clearly full
+            if ticket is not None:
+                reserved = self._redeem(ticket)
+            else:
+                self._check_capacity()  # refuse before doing any work when clearly full
             pool = self._prepare_pool
-        loop = asyncio.get_running_loop()
-        # One prepare at a time: engines need not make `prepare` re-entrant (the real one
-        # plans prompts on a shared scratch ring), and it keeps CPU for the inference thread.
-        prepared = await loop.run_in_executor(pool, self.engine.prepare, persona)
+        try:
+            chosen = persona if persona is not None else (reserved.persona if reserved else None)
+            if chosen is None:
+                raise PersonaError("no persona given (and the ticket carries none)")
+            loop = asyncio.get_running_loop()
+            # One prepare at a time: engines need not make `prepare` re-entrant (the real one
+            # plans prompts on a shared scratch ring), and it keeps CPU for the inference thread.
+            prepared = await loop.run_in_executor(pool, self.engine.prepare, chosen)
+        except BaseException:
+            if reserved is not None:
+                with self._cond:
+                    self._redeeming -= 1
+                    self._admit_from_queue()
+                    self._update_gauges()
+            raise
         session = Session(self, prepared)
         with self._cond:
-            self._check_capacity()
-            self._sessions[session.id] = session
-            slot = self._scheduler.free_slot()
-            if slot is not None and not self._queue:
+            if reserved is not None:
+                self._redeeming -= 1
+                slot = self._scheduler.free_slot()  # held + reserved <= capacity: one is free
+                if slot is None:
+                    raise EngineError("internal: a redeemed ticket found no free slot")
+                self._sessions[session.id] = session
                 self._assign(session, slot)
             else:
-                self._queue.append(session)
-                session.queue_position = len(self._queue)
+                self._check_capacity()
+                self._sessions[session.id] = session
+                if self._unreserved_free() > 0 and not self._queue:
+                    self._assign(session, self._scheduler.free_slot())
+                else:
+                    self._queue.append(session)
+                    session.queue_position = len(self._queue)
             self.metrics.sessions_opened.inc()
             self._update_gauges()
             self._cond.notify_all()
@@ -475,22 +589,61 @@ class SessionManager:
     async def shutdown(self) -> None:
         """Close every session (reason "shutdown") and stop the inference thread."""
         with self._cond:
-            self._shut_down = True
-            thread = self._scheduler.request_stop()  # from here on, open() refuses
+            self._shut_down = True  # from here on, open() and reserve() refuse
+            self._tickets.clear()
             pool, self._prepare_pool = self._prepare_pool, None
         for session in self.sessions:
             self._close(session, "shutdown")
+        # After the closes: the thread releases their slots in the engine before it ends.
+        thread = self._scheduler.request_stop()
         if pool is not None:
             pool.shutdown(wait=False)
         if thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        self._update_gauges()
 
     # ---- admission (callers hold self._cond) ------------------------------------------------
 
-    def _check_capacity(self) -> None:
-        if self._scheduler.stopping:
+    def _unreserved_free(self) -> int:
+        """Free slots not set aside by tickets (may be negative while a redeemed ticket's
+        session is being prepared and slots are being handed back)."""
+        free = self.capacity - self._scheduler.held_count
+        return free - len(self._tickets) - self._redeeming
+
+    def _redeem(self, ticket_id: str) -> Ticket:
+        self._expire_tickets()
+        if self._scheduler.stopping or self._shut_down:
             raise EngineError("the session manager is shutting down")
-        if self._scheduler.free_slot() is not None and not self._queue:
+        ticket = self._tickets.pop(ticket_id, None)
+        if ticket is None:
+            self.metrics.tickets.inc(label="refused")
+            self.metrics.sessions_rejected.inc(label="bad_ticket")
+            raise TicketError("unknown, expired or already used reservation ticket")
+        self._redeeming += 1
+        self.metrics.tickets.inc(label="redeemed")
+        return ticket
+
+    def _expire_tickets(self) -> None:
+        """Drop tickets past their TTL and hand their slots to the queue. Callers hold
+        `_cond` (or it is the scheduler's housekeeping call, which takes it)."""
+        if not self._tickets:
+            return
+        with self._cond:
+            now = time.monotonic()
+            expired = [t for t in self._tickets.values() if t.expires_at <= now]
+            if not expired:
+                return
+            for ticket in expired:
+                del self._tickets[ticket.id]
+            self.metrics.tickets.inc(len(expired), label="expired")
+            self._admit_from_queue()
+            self._update_gauges()
+            self._cond.notify_all()
+
+    def _check_capacity(self) -> None:
+        if self._scheduler.stopping or self._shut_down:
+            raise EngineError("the session manager is shutting down")
+        if self._unreserved_free() > 0 and not self._queue:
             return
         if len(self._queue) < self.max_queue:
             return
@@ -512,7 +665,7 @@ class SessionManager:
         moved = False
         while self._queue:
             slot = self._scheduler.free_slot()
-            if slot is None:
+            if slot is None or self._unreserved_free() <= 0:
                 break
             self._assign(self._queue.pop(0), slot)
             moved = True
@@ -523,6 +676,7 @@ class SessionManager:
     def _update_gauges(self) -> None:
         self.metrics.active_slots.set(self.active_count)
         self.metrics.queued_sessions.set(len(self._queue))
+        self.metrics.reserved_slots.set(len(self._tickets) + self._redeeming)
 
     # ---- closing (any thread) ---------------------------------------------------------------
 

@@ -24,3 +24,22 @@ def artifacts_dir() -> Path:
     path = ROOT / "artifacts"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture
+async def manager_factory():
+    """Make SessionManagers (non-realtime unless asked) that are shut down after the test."""
+    from personaplex_voice.engine.loopback import LoopbackEngine
+    from personaplex_voice.sessions import SessionManager
+
+    made: list[SessionManager] = []
+
+    def make(engine=None, **opts) -> SessionManager:
+        opts.setdefault("realtime", False)
+        manager = SessionManager(engine or LoopbackEngine(num_slots=4), **opts)
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        await manager.shutdown()

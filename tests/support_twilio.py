@@ -141,6 +141,19 @@ class SimulatedCall:
                 return
             await self.send_media(data[i : i + CHUNK])
 
+    async def answered(self, timeout: float = 10.0) -> int:
+        """Send the caller's line silence, as Twilio does from the start of every stream, until
+        the agent's audio comes back (the engine answers input frame by frame). Returns the
+        samples sent, so a test can place what it plays next on the inbound timeline."""
+        sent = 0
+        deadline = time.monotonic() + timeout
+        while not self.played and not self.closed.is_set():
+            if time.monotonic() > deadline:
+                raise AssertionError("no outbound audio")
+            await self.play(np.zeros(CHUNK, np.float32))
+            sent += CHUNK
+        return sent
+
     async def dtmf(self, digit: str) -> None:
         await self.send(
             {

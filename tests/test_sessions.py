@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import time
 import weakref
 
 import numpy as np
 import pytest
+from support_sessions import assert_echo, audio, collect, echo_call, wait_until
 
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
@@ -20,58 +20,9 @@ from personaplex_voice.engine.base import (
     Sampling,
 )
 from personaplex_voice.engine.loopback import LoopbackEngine
-from personaplex_voice.sessions import OutFrame, Session, SessionClosed, SessionManager
+from personaplex_voice.sessions import OutFrame, Session, SessionClosed
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def audio(n_frames: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).uniform(-0.5, 0.5, n_frames * FRAME_SIZE).astype(np.float32)
-
-
-async def collect(session: Session, timeout: float = 10.0) -> list[OutFrame]:
-    async def run() -> list[OutFrame]:
-        return [frame async for frame in session.frames()]
-
-    return await asyncio.wait_for(run(), timeout)
-
-
-async def echo_call(manager: SessionManager, x: np.ndarray, persona: Persona | None = None) -> list[OutFrame]:
-    session = await manager.open(persona or Persona())
-    await asyncio.wait_for(session.ready(), 10)
-    session.push(x)
-    session.end_input()
-    return await collect(session)
-
-
-def assert_echo(out: list[OutFrame], x: np.ndarray, delay: int = 1) -> None:
-    got = np.concatenate([f.pcm for f in out])
-    assert got.size == x.size
-    np.testing.assert_array_equal(got[: delay * FRAME_SIZE], 0)
-    np.testing.assert_array_equal(got[delay * FRAME_SIZE :], x[: x.size - delay * FRAME_SIZE])
-    assert [f.index for f in out] == list(range(len(out)))
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    t_end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < t_end, "condition not reached"
-        await asyncio.sleep(0.005)
-
-
-@pytest.fixture
-async def manager_factory():
-    made: list[SessionManager] = []
-
-    def make(engine=None, **opts) -> SessionManager:
-        opts.setdefault("realtime", False)
-        manager = SessionManager(engine or LoopbackEngine(num_slots=4), **opts)
-        made.append(manager)
-        return manager
-
-    yield make
-    for manager in made:
-        await manager.shutdown()
 
 
 async def test_echo_session_frames_text_and_end(manager_factory):
@@ -249,19 +200,19 @@ async def test_persona_cache_is_bounded_in_bytes(manager_factory):
 
 
 class PickyEngine(LoopbackEngine):
-    """Fails `start` for one prompt, records what reached `start`."""
+    """Fails `begin_start` for one prompt, records what reached it."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.started_personas: list[Persona] = []
 
-    def start(self, slot, prepared):
+    def begin_start(self, slot, prepared):
         if prepared.persona.text_prompt == "explode":
             raise PersonaError("voice file is corrupt")
         if prepared.persona.text_prompt == "crash":
             raise RuntimeError("CUDA out of memory")
         self.started_personas.append(prepared.persona)
-        super().start(slot, prepared)
+        return super().begin_start(slot, prepared)
 
 
 async def test_start_errors_fail_only_that_session_and_sampling_reaches_the_engine(manager_factory):
@@ -488,7 +439,7 @@ async def test_thousand_open_close_cycles_leave_nothing_behind(manager_factory):
     assert closed_in.get("queued", 0) > 0 and closed_in.get("joining", 0) > 0, closed_in
     assert manager.active_count == 0 and manager.queued_count == 0 and manager.sessions == []
     await wait_until(lambda: not any(engine.slot_in_use(i) for i in range(4)))
-    assert not manager._scheduler.to_release and not manager._scheduler.joining and not manager._queue
+    assert manager._scheduler.settled and not manager._queue
     gc.collect()
     assert len(alive) == 0, "the manager keeps sessions alive"
     snap = manager.metrics.snapshot()

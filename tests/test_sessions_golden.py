@@ -211,15 +211,15 @@ async def test_thousand_open_close_cycles_on_the_model(engine):
 
     try:
         await run(0, 40)  # warm up: the persona cache fills, the engine allocates what it keeps
-        await _until(lambda: not manager._scheduler.to_release)
+        await _until(lambda: manager._scheduler.settled)
         before = _tensors()
         await run(40, 1000)
-        await asyncio.wait_for(_until(lambda: not manager._scheduler.to_release), 10)
+        await asyncio.wait_for(_until(lambda: manager._scheduler.settled), 10)
         after = _tensors()
     finally:
         await manager.shutdown()
     assert manager.active_count == 0 and manager.queued_count == 0 and manager.sessions == []
-    assert not manager._scheduler.joining and not manager._queue
+    assert manager._scheduler.settled and not manager._queue
     gc.collect()
     assert len(alive) == 0, "the manager keeps sessions alive"
     assert after <= before, f"tensors grew from {before} to {after}"

@@ -17,7 +17,7 @@ import numpy as np
 import personaplex_twilio
 import pytest
 from personaplex_twilio.config import TwilioSettings
-from support_twilio import ACCOUNT_SID, TwilioSimulator, running_app
+from support_twilio import ACCOUNT_SID, TwilioSimulator, parse_stream_twiml, running_app
 from twilio.http import HttpClient
 from twilio.http.response import Response
 
@@ -147,8 +147,14 @@ def test_outbound_call_with_a_one_off_persona_is_answered_with_it(harness: Harne
     form = {"AccountSid": ACCOUNT_SID, "CallSid": response.json()["call_sid"], "To": "+15550001111"}
     answer = harness.sim.post_webhook("/twilio/voice?" + urlsplit(url).query, form)
     assert answer.status_code == 200 and "<Stream" in answer.text
-    reservation = next(iter(harness.app.state.twilio.registry._reservations.values()))
-    assert reservation.persona.text_prompt == "You sell anvils."
+    stream_url, params = parse_stream_twiml(answer.text)
+
+    async def stream() -> str:
+        async with harness.sim.media_stream(stream_url, params, call_sid=form["CallSid"]):
+            await wait_for(lambda: harness.manager.sessions)
+            return harness.manager.sessions[0].persona.text_prompt
+
+    assert asyncio.run(stream()) == "You sell anvils."  # the ticket carried the one-off persona
     # The token is single-use.
     again = harness.sim.post_webhook("/twilio/voice?" + urlsplit(url).query, form)
     assert "<Stream" not in again.text and "<Hangup" in again.text

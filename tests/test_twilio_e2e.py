@@ -79,13 +79,10 @@ async def wait_idle(server: ServerProcess, timeout: float = 10.0, active: int = 
     raise AssertionError(f"slots not freed: {state}")
 
 
-async def wait_audio(call, timeout: float = 10.0) -> None:
-    """Until the server streams to the call (its session is running)."""
-    for _ in range(int(timeout / 0.02)):
-        if call.played or call.closed.is_set():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("no outbound audio")
+async def wait_audio(call, timeout: float = 10.0) -> int:
+    """Until the server streams to the call (its session is running); the caller's line sends
+    silence meanwhile, as Twilio's does. Returns the samples of it sent."""
+    return await call.answered(timeout)
 
 
 def echo_delay_and_snr(played: np.ndarray, sent: np.ndarray, sent_at: int) -> tuple[float, np.ndarray]:
@@ -136,11 +133,13 @@ def assert_clean(snr: np.ndarray, holes: int, what: str) -> None:
 
 def test_webhook_answers_a_signed_stream_with_the_numbers_persona(server, sim) -> None:
     sales_sid, url, params = sim.answer(to="+15550100009")
-    assert url == "wss://voice.example.test/twilio/media-stream"  # PUBLIC_URL https -> wss, no query
+    # PUBLIC_URL https -> wss, no query; the call's one-time ticket is the last path segment.
+    prefix = "wss://voice.example.test/twilio/media-stream/"
+    assert url.startswith(prefix) and len(url) - len(prefix) >= 22
     assert params["persona"] == "sales"
-    assert params["token"]
-    other_sid, _, params = sim.answer(to="+15550100077")  # not listed: the default persona
+    other_sid, other_url, params = sim.answer(to="+15550100077")  # not listed: the default persona
     assert params["persona"] == "front-desk"
+    assert other_url != url
     assert bridge_state(server)["reserved"] == 2  # both calls hold a slot until their stream starts
     # The callers hang up before the streams connect: the status callback frees the slots.
     for call_sid in (sales_sid, other_sid):
@@ -196,15 +195,15 @@ async def test_a_tone_comes_back_clean_at_the_expected_delay(server, sim) -> Non
     # The lead is a whole number of engine frames (6 x 80 ms), so the tone starts a frame.
     lead, signal = np.zeros(6 * 640, np.float32), tone(1000.0, 1.5)
     async with sim.media_stream(url, params, call_sid=call_sid) as call:
-        await wait_audio(call)
+        primed = await wait_audio(call)
         await call.play(lead)
         await call.play(signal)
         await call.play(np.zeros(RATE // 2, np.float32))
-    delay, snr = echo_delay_and_snr(call.played_audio(), signal, len(lead))
+    delay, snr = echo_delay_and_snr(call.played_audio(), signal, primed + len(lead))
     state = await wait_idle(server)
     record = next(c for c in state["calls"] if c["call_sid"] == call_sid)
     metrics = record["metrics"]
-    holes, extra = stalls(call, metrics, before_s=(len(lead) / RATE) + delay)
+    holes, extra = stalls(call, metrics, before_s=((primed + len(lead)) / RATE) + delay)
     print(f"echo delay {delay * 1000:.1f} ms, median SNR {np.median(snr):.1f} dB, holes {holes}")
     assert_clean(snr, holes, f"echo ({metrics})")
     # Mouth to ear: a sample waits for the rest of its 80 ms frame to arrive, then `slack` for
@@ -277,8 +276,9 @@ async def _garbage_call(sim: TwilioSimulator, kind: str) -> int | None:
                 )
             elif kind == "wrong-stream-sid":
                 call.stream_sid, real = "MZ" + "f" * 32, call.stream_sid
+                call._sid_tail = ""  # the simulator caches the end of its media messages
                 await call.send_media(b"\xff" * 160)
-                call.stream_sid = real
+                call.stream_sid, call._sid_tail = real, ""
             elif kind == "one-mib-frame":
                 await call.send_raw(ONE_MIB)
         await asyncio.wait_for(call.closed.wait(), 10)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from personaplex_voice.engine.base import Persona, PersonaError, Sampling
+from personaplex_voice.engine.base import CapacityError, Persona, PersonaError, Sampling
 from personaplex_voice.errors import UserError
 
 from . import twiml
@@ -68,27 +68,17 @@ class TwilioBridge:
     def manager(self) -> Any:
         return self.app.state.manager
 
-    def free_slots(self) -> int:
-        manager = self.manager
-        if manager is None:  # the engine is still loading
-            return 0
-        return manager.capacity - manager.active_count - manager.queued_count - self.registry.reserved
-
-    def persona_for_stream(self, params: dict[str, Any], call_sid: str) -> tuple[str, Persona]:
-        """The persona promised by our webhook (one-time token), or one named in the TwiML."""
-        token = params.get("token")
-        if token is not None:
-            reservation = self.registry.claim(str(token))
-            if reservation is None:
-                raise ProtocolError("unknown or expired stream token")
-            if reservation.call_sid and reservation.call_sid != call_sid:
-                raise ProtocolError("the stream token belongs to another call")
-            return reservation.persona_name, reservation.persona
-        name = str(params.get("persona") or self.book.default)
+    def stream_persona_name(self, ticket_id: str, params: dict[str, Any], call_sid: str) -> str:
+        """Check a stream's ticket against the call our webhook issued it for; returns the
+        persona's name (for the record). The persona itself travels with the manager's ticket,
+        so a stream that reaches another front-end than its webhook still gets it."""
         try:
-            return name, self.book.get(name)
-        except PersonaError as exc:
-            raise ProtocolError(str(exc)) from None
+            issued = self.registry.claim(ticket_id, call_sid)
+        except LookupError:
+            raise ProtocolError("the stream ticket belongs to another call") from None
+        if issued is None:
+            return str(params.get("persona") or "")
+        return issued.persona_name
 
     def authorized(self, request: Request) -> bool:
         """Bearer token: the bridge's PERSONAPLEX_TWILIO_API_TOKEN or the server's API key."""
@@ -118,16 +108,21 @@ class TwilioBridge:
             record.end_reason = f"persona: {exc}"
             return Response(twiml.say_and_hang_up("Sorry, this line is not configured."), media_type=XML)
         record.persona = persona_name
-        if self.free_slots() <= 0:
+        manager = self.manager
+        try:
+            if manager is None:  # the engine is still loading
+                raise CapacityError("the engine is still loading")
+            ttl_s = self.settings.stream_connect_timeout_s
+            ticket = manager.reserve(ttl_s=ttl_s, persona=persona)
+        except CapacityError:
             record.end_reason = "busy"
             self.registry.status(call_sid, "busy")
             return Response(twiml.say_and_hang_up(self.settings.busy_message), media_type=XML)
-        reservation = self.registry.reserve(
-            persona_name, persona, call_sid, ttl_s=self.settings.stream_connect_timeout_s
-        )
+        self.registry.issued(ticket.id, persona_name, call_sid, ttl_s)
         base = public_base(self.settings, request)
+        # The ticket is the Stream URL's last segment: Twilio signs the upgrade over it.
         answer = twiml.connect_stream(
-            websocket_base(base) + MEDIA_STREAM_PATH, {"token": reservation.token, "persona": persona_name}
+            websocket_base(base) + MEDIA_STREAM_PATH + "/" + ticket.id, {"persona": persona_name}
         )
         return Response(answer, media_type=XML)
 
@@ -154,19 +149,32 @@ class TwilioBridge:
             from_=form.get("From", ""),
             to=form.get("To", ""),
         )
-        if status in TERMINAL_STATUSES and self.registry.release_for_call(call_sid):
-            log.info("twilio: call %s ended (%s) before its stream started", call_sid, status)
+        if status in TERMINAL_STATUSES:
+            cancelled = [t for t in self.registry.tickets_for_call(call_sid) if self._cancel(t)]
+            if cancelled:
+                log.info("twilio: call %s ended (%s) before its stream started", call_sid, status)
         if form.get("CallDuration"):
             record.metrics.setdefault("call_duration_s", form["CallDuration"])
         log.info("twilio: call %s status %s", call_sid, status)
         return Response(status_code=204)
 
+    def _cancel(self, ticket_id: str) -> bool:
+        manager = self.manager
+        return manager is not None and manager.cancel(ticket_id)
+
     async def media_stream(self, ws: WebSocket) -> None:
+        ticket = ws.path_params.get("ticket", "")
         if not self.signatures.check_upgrade(ws):
             await ws.close(code=CLOSE_POLICY)  # before accept: the client gets HTTP 403
             return
         await ws.accept()
-        await MediaStreamCall(ws, self).run()
+        await MediaStreamCall(ws, self, ticket).run()
+
+    async def unticketed_stream(self, ws: WebSocket) -> None:
+        """The bare stream URL: refused. Its signature never changes, so anyone who saw one
+        upgrade could open streams at will; every stream comes from our webhook's ticketed URL."""
+        log.warning("twilio: refused a media stream without a ticket (point the number at %s)", VOICE_PATH)
+        await ws.close(code=CLOSE_POLICY)
 
     # --- call control -----------------------------------------------------------------------
     async def place_call(self, request: Request) -> Response:
@@ -218,7 +226,7 @@ class TwilioBridge:
             {
                 "capacity": manager.capacity,
                 "active_sessions": manager.active_count,
-                "reserved": self.registry.reserved,
+                "reserved": manager.reserved_count,
                 "live_streams": live,
                 "calls": [r.to_dict() for r in list(self.registry.calls.values())[-100:]],
             }
@@ -231,5 +239,6 @@ def build_router(bridge: TwilioBridge) -> APIRouter:
     router.add_api_route(STATUS_PATH, bridge.status, methods=["POST"], include_in_schema=False)
     router.add_api_route("/twilio/call", bridge.place_call, methods=["POST"])
     router.add_api_route("/twilio/calls", bridge.list_calls, methods=["GET"])
-    router.add_api_websocket_route(MEDIA_STREAM_PATH, bridge.media_stream)
+    router.add_api_websocket_route(MEDIA_STREAM_PATH + "/{ticket}", bridge.media_stream)
+    router.add_api_websocket_route(MEDIA_STREAM_PATH, bridge.unticketed_stream)
     return router

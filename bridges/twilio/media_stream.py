@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from personaplex_voice.audio.budget import TokenBucket
-from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, Persona
+from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError
+from personaplex_voice.sessions import TicketError
 
 from .audio_path import CHUNK_BYTES, TWILIO_RATE, InboundAudio, OutboundAudio
 from .pacing import CHUNK_S, FRAME_S, FrameJitter, MarkTracker, PlaybackClock, percentile
@@ -63,6 +64,18 @@ class CallEnded(Exception):
         super().__init__(reason)
         self.reason = reason
         self.hang_up = hang_up
+
+
+def session_close_reason(call_end: str) -> str:
+    """The session layer's (bounded) close reason for why a call ended; the full text goes to
+    the call record and the log."""
+    if call_end.startswith(("protocol error", "bridge error")):
+        return "transport_error"
+    if call_end == "max duration":
+        return "max_duration"
+    if call_end in ("idle timeout", "no start message"):
+        return "idle"
+    return "client"
 
 
 def parse_message(raw: dict[str, Any], max_bytes: int) -> dict[str, Any]:
@@ -110,9 +123,10 @@ class OutboundMessages:
 
 
 class MediaStreamCall:
-    def __init__(self, ws: WebSocket, bridge: TwilioBridge):
+    def __init__(self, ws: WebSocket, bridge: TwilioBridge, ticket: str):
         self.ws = ws
         self.bridge = bridge
+        self.ticket = ticket  # the reservation our webhook made for this call (Stream URL path)
         self.settings = bridge.settings
         self.stream_sid = ""
         self.call_sid = ""
@@ -144,7 +158,6 @@ class MediaStreamCall:
         self._opener: asyncio.Task[None] | None = None
         self._ended: CallEnded | None = None
         self._cushioned = False
-        self._tick_origin: float | None = None  # when the engine delivered this call's first frame
         # Outbound audio not yet sent: 160-byte payloads, and mark names (str) after each frame.
         self._outbox: deque[bytes | str] = deque()
         self._outbox_ready = asyncio.Event()
@@ -260,7 +273,7 @@ class MediaStreamCall:
         params = start.get("customParameters") or {}
         if not isinstance(params, dict):
             raise ProtocolError("customParameters must be an object", CLOSE_INVALID_DATA)
-        persona_name, persona = self.bridge.persona_for_stream(params, call_sid)
+        persona_name = self.bridge.stream_persona_name(self.ticket, params, call_sid)
         self.stream_sid, self.call_sid = stream_sid, call_sid
         self._messages = OutboundMessages(stream_sid)
         self._last_media = time.monotonic()
@@ -268,13 +281,18 @@ class MediaStreamCall:
         self.record.stream_sid = stream_sid
         self.bridge.registry.live[stream_sid] = self
         # Open the session without holding up the receive loop: prefill can take a while.
-        self._opener = asyncio.create_task(self._open_session(persona))
+        self._opener = asyncio.create_task(self._open_session())
 
-    async def _open_session(self, persona: Persona) -> None:
+    async def _open_session(self) -> None:
         manager = self.bridge.manager
         try:
-            self.session = await manager.open(persona)
+            # The persona is the one our webhook reserved the slot for, carried by the ticket.
+            self.session = await manager.open(None, ticket=self.ticket)
             await asyncio.wait_for(self.session.ready(), self.settings.ready_timeout_s)
+        except TicketError:
+            log.warning("twilio %s: the stream's ticket is unknown, used or expired", self.stream_sid)
+            self._end("ticket refused", hang_up=True)
+            return
         except CapacityError:
             self._end("no free slot", hang_up=True)
             return
@@ -320,26 +338,30 @@ class MediaStreamCall:
             self.inbound_dropped += 1
             return
         if not self._cushioned:
-            if self._tick_origin is None:
-                self.inbound_dropped += 1  # until the first frame shows where the engine ticks
-                return
             self._cushioned = True
-            self.session.push(self.inbound.lead(self._cushion_samples(time.monotonic())))
+            self.session.push(self.inbound.lead(self._cushion_samples(self.session.seconds_to_next_tick())))
         pcm = self.inbound.feed(ulaw)
         if pcm is not None:
             self.session.push(pcm)
 
-    def _cushion_samples(self, now: float) -> int:
+    def _cushion_samples(self, to_tick_s: float | None) -> int:
         """Silence to push ahead of the caller's first message so that, just before each engine
         tick, the session holds one full frame plus `inbound_slack_ms` of audio.
 
-        Messages bring 20 ms each; the ticks come every 80 ms from `_tick_origin`. Before the
-        next tick (in `to_tick`) this message and floor(to_tick / 20 ms) more will have come.
+        Messages bring 20 ms each; the ticks come every 80 ms, the next one in `to_tick_s`.
+        Before it, this message and floor(to_tick / 20 ms) more will have come. With the
+        engine's clock idle (None) this session's first full frame starts it at once, so the
+        ticks fall on this message's phase: before each later one the session holds the
+        cushion plus the three messages since the last.
         """
         frame_ms, chunk_ms = FRAME_S * 1000, CHUNK_S * 1000
-        to_tick_ms = (frame_ms - ((now - self._tick_origin) * 1000) % frame_ms) % frame_ms
-        arriving_ms = chunk_ms + chunk_ms * (to_tick_ms // chunk_ms)
-        cushion_ms = (frame_ms + self.settings.inbound_slack_ms - arriving_ms) % frame_ms
+        slack_ms = self.settings.inbound_slack_ms
+        if to_tick_s is None:
+            cushion_ms = frame_ms + slack_ms
+        else:
+            to_tick_ms = (to_tick_s * 1000) % frame_ms
+            arriving_ms = chunk_ms + chunk_ms * (to_tick_ms // chunk_ms)
+            cushion_ms = (frame_ms + slack_ms - arriving_ms) % frame_ms
         return round(cushion_ms * SAMPLE_RATE / 1000)
 
     async def _on_dtmf(self, dtmf: dict[str, Any]) -> None:
@@ -379,17 +401,14 @@ class MediaStreamCall:
     async def _read_frames(self) -> None:
         """Session frames -> 20 ms payloads (and a mark per frame) in the local outbound buffer.
 
-        Takes each frame the moment the engine delivers it (so `_tick_origin` is the engine's
-        clock); the pacer sends from the buffer at real time. A buffer grown past
+        Takes each frame the moment the engine delivers it; the pacer sends from the buffer at
+        real time. A buffer grown past
         `max_buffered_ms` (the engine ran ahead) loses its oldest audio: latency stays bounded."""
         session = self.session
         limit = max(1, round(self.settings.max_buffered_ms / 1000 / CHUNK_S))
         try:
             async for out in session.frames():
-                now = time.monotonic()
-                if self._tick_origin is None:
-                    self._tick_origin = now
-                self.jitter.frame(now)
+                self.jitter.frame(time.monotonic())
                 chunks = self.outbound.convert(out.pcm)
                 self._outbox.extend(chunks)
                 self._outbox_chunks += len(chunks)
@@ -451,7 +470,7 @@ class MediaStreamCall:
                     await task
         if self.session is not None:
             with contextlib.suppress(Exception):
-                await self.session.close(reason="twilio: " + reason[:80])
+                await self.session.close(reason=session_close_reason(reason))
         connected = self.ws.client_state == WebSocketState.CONNECTED
         if connected and self.stream_sid:
             # Drop whatever Twilio still holds of ours, then hang up before the socket goes.

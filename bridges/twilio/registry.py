@@ -1,9 +1,12 @@
-"""What the bridge knows about calls: slot reservations, live streams, lifecycle history.
+"""What the bridge knows about calls: their stream tickets, live streams, lifecycle history.
 
 Between our webhook answer and Twilio's `start` message (a second or so) the call holds a
-*reservation*: it counts against capacity, so two simultaneous webhooks cannot both be promised
-the last slot. The `start` message must present the reservation's one-time token (sent to
-Twilio as a `<Parameter>`); unclaimed reservations expire.
+reservation ticket of the SessionManager (`manager.reserve`): the slot counts as taken for every
+transport, so two webhooks (or a webhook and a browser) cannot both be promised the last slot.
+The ticket's one-time id is the last segment of the Stream URL we answer with, so Twilio's
+signature of the upgrade covers it and a stream must present it; the manager expires unclaimed
+tickets. This registry only remembers which call each ticket was issued for (to check it at
+`start` and to cancel it when the call ends before its stream starts).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ HISTORY = 500  # finished calls kept for /twilio/calls
 
 
 @dataclass
-class Reservation:
-    token: str
+class StreamTicket:
+    """A reservation ticket issued by our webhook for one call."""
+
+    ticket_id: str
     persona_name: str
-    persona: Persona
     call_sid: str
     expires_at: float
 
@@ -69,42 +73,39 @@ class OutboundRequest:
 
 class CallRegistry:
     def __init__(self) -> None:
-        self._reservations: dict[str, Reservation] = {}
+        self._tickets: dict[str, StreamTicket] = {}
         self._outbound: dict[str, OutboundRequest] = {}
         self.live: dict[str, Any] = {}  # stream_sid -> MediaStreamCall
         self.calls: OrderedDict[str, CallRecord] = OrderedDict()
 
-    # --- reservations -------------------------------------------------------------------
+    # --- stream tickets -------------------------------------------------------------------
     def _expire(self) -> None:
         now = time.monotonic()
-        for token in [t for t, r in self._reservations.items() if r.expires_at < now]:
-            del self._reservations[token]
+        for key in [k for k, t in self._tickets.items() if t.expires_at < now]:
+            del self._tickets[key]
         for token in [t for t, r in self._outbound.items() if r.expires_at < now]:
             del self._outbound[token]
 
-    @property
-    def reserved(self) -> int:
+    def issued(self, ticket_id: str, persona_name: str, call_sid: str, ttl_s: float) -> None:
         self._expire()
-        return len(self._reservations)
+        self._tickets[ticket_id] = StreamTicket(ticket_id, persona_name, call_sid, time.monotonic() + ttl_s)
 
-    def reserve(self, persona_name: str, persona: Persona, call_sid: str, ttl_s: float) -> Reservation:
+    def claim(self, ticket_id: str, call_sid: str) -> StreamTicket | None:
+        """What our webhook issued this ticket for, taken once by the call it was issued for;
+        None when another process issued it (several front-ends behind one load balancer) or
+        it expired. Raises LookupError when it belongs to another call (it stays for its own)."""
         self._expire()
-        token = secrets.token_urlsafe(18)
-        reservation = Reservation(token, persona_name, persona, call_sid, time.monotonic() + ttl_s)
-        self._reservations[token] = reservation
-        return reservation
+        issued = self._tickets.get(ticket_id)
+        if issued is not None and issued.call_sid and issued.call_sid != call_sid:
+            raise LookupError(ticket_id)
+        return self._tickets.pop(ticket_id, None)
 
-    def claim(self, token: str) -> Reservation | None:
-        """Take a reservation (once). None when unknown or expired."""
-        self._expire()
-        return self._reservations.pop(token, None)
-
-    def release_for_call(self, call_sid: str) -> int:
-        """Drop the reservations of a call that ended before its stream started."""
-        tokens = [t for t, r in self._reservations.items() if r.call_sid == call_sid]
-        for token in tokens:
-            del self._reservations[token]
-        return len(tokens)
+    def tickets_for_call(self, call_sid: str) -> list[str]:
+        """Forget and return the tickets of a call (it ended before its stream started)."""
+        ids = [k for k, t in self._tickets.items() if t.call_sid == call_sid]
+        for key in ids:
+            del self._tickets[key]
+        return ids
 
     def add_outbound(self, persona_name: str, persona: Persona, ttl_s: float) -> str:
         self._expire()

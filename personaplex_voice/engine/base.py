@@ -32,6 +32,15 @@ class PersonaError(EngineError):
     """The persona cannot be used: unknown voice, unreadable voice file, prompt too long..."""
 
 
+class SlotError(EngineError):
+    """`step` refused to run because of these slots (e.g. one never started). Raised before any
+    slot's state changed, so the scheduler ends those sessions and steps the others again."""
+
+    def __init__(self, message: str, slots: Sequence[int]):
+        super().__init__(message)
+        self.slots = tuple(int(s) for s in slots)
+
+
 class CapacityError(EngineError):
     """No slot is free. `retry_after_s` is a hint; `queue_position` is set when queueing."""
 

@@ -31,6 +31,7 @@ from personaplex_voice.engine.base import (
     Persona,
     PersonaError,
     PreparedPersona,
+    SlotError,
     SlotPrefill,
     StepOutput,
     VoiceInfo,
@@ -474,9 +475,9 @@ class PersonaPlexEngine:
     def step(self, pcm: np.ndarray, active: np.ndarray) -> StepOutput:
         active_np = np.asarray(active, dtype=bool).reshape(self.num_slots)
         B = self.num_slots
-        for slot in np.flatnonzero(active_np):
-            if not self._started[slot]:
-                raise EngineError(f"slot {slot} is active but was never started")
+        unstarted = [int(slot) for slot in np.flatnonzero(active_np) if not self._started[slot]]
+        if unstarted:  # checked before any state changes: the scheduler steps the others again
+            raise SlotError(f"slot(s) {unstarted} active but never started", unstarted)
         if not active_np.any():
             return StepOutput(pcm=np.zeros((B, FRAME_SIZE), np.float32), text=[None] * B)
         pcm = np.ascontiguousarray(pcm, dtype=np.float32).reshape(B, FRAME_SIZE)

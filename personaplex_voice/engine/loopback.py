@@ -22,6 +22,7 @@ from personaplex_voice.engine.base import (
     Persona,
     PersonaError,
     PreparedPersona,
+    SlotError,
     StepOutput,
     VoiceInfo,
 )
@@ -146,6 +147,9 @@ class LoopbackEngine:
                 f"step wants pcm [{self.num_slots}, {FRAME_SIZE}] and active [{self.num_slots}], "
                 f"got {pcm.shape} and {active.shape}"
             )
+        unstarted = [int(slot) for slot in np.flatnonzero(active) if self._persona[slot] is None]
+        if unstarted:
+            raise SlotError(f"slot(s) {unstarted} active but never started", unstarted)
         out = np.zeros((self.num_slots, FRAME_SIZE), np.float32)
         text: list[str | None] = [None] * self.num_slots
         for slot in np.flatnonzero(active):

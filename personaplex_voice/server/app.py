@@ -191,7 +191,13 @@ def _occupancy(app: FastAPI) -> dict[str, Any]:
     manager = app.state.manager
     if manager is None:
         return {}
-    return {"active": manager.active_count, "queued": manager.queued_count, "capacity": manager.capacity}
+    return {
+        "active": manager.active_count,
+        "queued": manager.queued_count,
+        "reserved": manager.reserved_count,
+        "available": manager.available,
+        "capacity": manager.capacity,
+    }
 
 
 async def _healthz(request: Request) -> JSONResponse:
@@ -269,13 +275,13 @@ def _prompt_text(body: bytes, content_type: str) -> str:
 
 async def _readyz(request: Request) -> JSONResponse:
     """200 when a new conversation would start now; 503 while loading, after a failed load, or
-    when every slot is taken (so a load balancer sends the next caller elsewhere)."""
+    when every slot is taken or reserved (so a load balancer sends the next caller elsewhere)."""
     app = request.app
     status = dict(app.state.load_status)
     occupancy = _occupancy(app)
     if status["state"] != "ready":
         return JSONResponse({"status": status["state"], "detail": status["detail"]}, status_code=503)
-    if occupancy["active"] >= occupancy["capacity"]:
+    if occupancy["available"] <= 0:
         return JSONResponse({"status": "full", **occupancy}, status_code=503)
     return JSONResponse({"status": "ready", "model": app.state.model_name, **occupancy})
 
