@@ -29,10 +29,12 @@ PACKET_120MS = bytes([11 << 3 | 3, 2])
 PACKET_REJECTED = bytes([11 << 3 | 3, 0])
 
 
-def ogg_page(packets: list[bytes], seq: int, *, serial: int = SERIAL, flags: int = 0) -> bytes:
-    """One page with whole packets (each under 255 bytes), its CRC right."""
-    lacing = bytes(len(p) for p in packets)
-    page = bytearray(struct.pack("<4sBBqIIIB", b"OggS", 0, flags, 0, serial, seq, 0, len(lacing)))
+def ogg_page(
+    packets: list[bytes], seq: int, *, serial: int = SERIAL, flags: int = 0, granule: int = 0
+) -> bytes:
+    """One page with whole packets, its CRC right."""
+    lacing = b"".join(bytes([255] * (len(p) // 255) + [len(p) % 255]) for p in packets)
+    page = bytearray(struct.pack("<4sBBqIIIB", b"OggS", 0, flags, granule, serial, seq, 0, len(lacing)))
     page += lacing + b"".join(packets)
     struct.pack_into("<I", page, 22, ogg_crc(bytes(page)))
     return bytes(page)

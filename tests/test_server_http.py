@@ -185,3 +185,20 @@ def test_healthz_names_local_models_without_their_paths(tmp_path):
     assert anyone["state"] == "failed" and anyone["model"] == "secret-model"
     assert str(tmp_path) not in json.dumps(anyone)
     assert keyholder["model"] == str(model_dir) and str(model_dir) in keyholder["detail"]
+
+
+def test_static_serves_another_client_build_at_the_root(tmp_path):
+    build = tmp_path / "dist"
+    (build / "assets").mkdir(parents=True)
+    (build / "index.html").write_text("<!doctype html><title>another client</title>")
+    (build / "assets" / "decoderWorker.min.js").write_text("// worker")
+    settings = ServerSettings(engine="echo", tune_runtime=False, static=build)
+    with TestClient(create_app(settings)) as client:
+        assert "another client" in client.get("/").text
+        assert client.get("/assets/decoderWorker.min.js").text == "// worker"
+        assert client.get("/healthz").status_code == 200  # routes still win over the files
+    from personaplex_voice.errors import UserError
+    from personaplex_voice.server.command import run_server
+
+    with pytest.raises(UserError, match="no index.html"):
+        run_server(ServerSettings(engine="echo", static=tmp_path / "empty"))
