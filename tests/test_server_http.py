@@ -200,5 +200,5 @@ def test_static_serves_another_client_build_at_the_root(tmp_path):
     from personaplex_voice.errors import UserError
     from personaplex_voice.server.command import run_server
 
-    with pytest.raises(UserError, match="no index.html"):
+    with pytest.raises(UserError, match=r"no index\.html"):
         run_server(ServerSettings(engine="echo", static=tmp_path / "empty"))
