@@ -283,7 +283,8 @@ async def _readyz(request: Request) -> JSONResponse:
         return JSONResponse({"status": status["state"], "detail": status["detail"]}, status_code=503)
     if occupancy["available"] <= 0:
         return JSONResponse({"status": "full", **occupancy}, status_code=503)
-    return JSONResponse({"status": "ready", "model": app.state.model_name, **occupancy})
+    model = info.public_model_name(app.state.model_name)  # never a local path, to anyone
+    return JSONResponse({"status": "ready", "model": model, **occupancy})
 
 
 async def _metrics(request: Request) -> Response:
