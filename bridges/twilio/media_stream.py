@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from personaplex_voice.audio.budget import TokenBucket
 from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError
 from personaplex_voice.sessions import TicketError
 
-from .audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
+from .audio_path import CHUNK_BYTES, TWILIO_RATE, InboundAudio, OutboundAudio
 from .pacing import CHUNK_S, FRAME_S, FrameJitter, MarkTracker, PlaybackClock, percentile
 
 if TYPE_CHECKING:
@@ -133,6 +134,8 @@ class MediaStreamCall:
         self.session_ready = False
         self.record: Any = None
         self.inbound = InboundAudio()
+        # Twilio sends 8,000 μ-law bytes a second; allow 1.5x that, and a 10 s burst after a stall.
+        self._inbound_pace = TokenBucket(1.5 * TWILIO_RATE, 10 * TWILIO_RATE)
         self.outbound = OutboundAudio()
         self.clock = PlaybackClock(
             max_queued_s=self.settings.max_queued_ms / 1000,
@@ -321,6 +324,8 @@ class MediaStreamCall:
             ulaw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolError("`media` payload is not valid base64", CLOSE_INVALID_DATA) from None
+        if not self._inbound_pace.take(len(ulaw)):  # decoding and resampling are the server's CPU
+            raise ProtocolError("caller audio arrives much faster than real time")
         self.frames_in += 1
         self._last_media = time.monotonic()
         chunk = media.get("chunk")
@@ -362,7 +367,8 @@ class MediaStreamCall:
     async def _on_dtmf(self, dtmf: dict[str, Any]) -> None:
         digit = dtmf.get("digit")
         if not isinstance(digit, str) or len(digit) != 1:
-            raise ProtocolError("`dtmf` without a digit", CLOSE_INVALID_DATA)
+            given = "no `digit`" if digit is None else f"`digit` {json.dumps(digit)[:40]}"
+            raise ProtocolError(f"`dtmf` needs one digit, got {given}", CLOSE_INVALID_DATA)
         self.dtmf.append(digit)
         if self.record is not None:
             self.record.events.append((time.time(), f"dtmf:{digit}"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -17,15 +18,19 @@ from pydantic import ValidationError
 from personaplex_voice.cli_options import (
     DeviceOpt,
     DtypeOpt,
+    KvDtype,
     MimiWeightOpt,
     ModelOpt,
     MoshiWeightOpt,
+    PrefillMode,
+    QuantizeMode,
     ThreadsOpt,
     TokenizerOpt,
     VoiceDirOpt,
 )
 from personaplex_voice.errors import UserError
 from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.server.http_guard import ClientMistakesAreWarnings, protocol_classes
 
 
 def serve(
@@ -41,6 +46,24 @@ def serve(
     device: DeviceOpt = None,  # type: ignore[assignment]
     dtype: DtypeOpt = None,  # type: ignore[assignment]
     threads: ThreadsOpt = None,  # type: ignore[assignment]
+    prefill: Annotated[
+        PrefillMode | None,
+        typer.Option(
+            help="System prompts: parallel (fast) or stepwise (bit for bit the published run) "
+            "(env PERSONAPLEX_PREFILL; parallel)"
+        ),
+    ] = None,
+    quantize: Annotated[
+        QuantizeMode | None,
+        typer.Option(help="int8: the LM's linear weights as int8 (env PERSONAPLEX_QUANTIZE; none)"),
+    ] = None,
+    kv_dtype: Annotated[
+        KvDtype | None,
+        typer.Option(
+            help="The LM's KV cache: auto (LM dtype), bfloat16, float16, float32, float8 "
+            "(env PERSONAPLEX_KV_DTYPE; auto)"
+        ),
+    ] = None,
     max_sessions: Annotated[
         int | None,
         typer.Option(help="Concurrent conversations = batch slots (env PERSONAPLEX_MAX_SESSIONS; 4)"),
@@ -97,6 +120,13 @@ def serve(
     log_level: Annotated[
         str | None, typer.Option(help="debug, info, warning (env PERSONAPLEX_LOG_LEVEL)")
     ] = None,
+    static: Annotated[
+        Path | None,
+        typer.Option(
+            help="Serve this client build at / instead of web/, e.g. the reference PersonaPlex "
+            "client's dist/ (env PERSONAPLEX_STATIC)"
+        ),
+    ] = None,
     # -- cluster (docs/cluster.md) --
     workers: Annotated[
         int | None,
@@ -130,7 +160,11 @@ def serve(
     ] = None,
 ) -> None:
     """Serve /api/chat, the browser client, health and metrics."""
-    given = {name: value for name, value in locals().items() if value is not None}
+    given = {
+        name: value.value if isinstance(value, Enum) else value
+        for name, value in locals().items()
+        if value is not None
+    }
     alias = given.pop("voice_prompt_dir", None)
     if alias is not None:
         if given.get("voice_dir", alias) != alias:
@@ -175,6 +209,8 @@ def check_files(settings: ServerSettings) -> None:
                 raise UserError(f"--ssl {settings.ssl}: {path.name} not found (need cert.pem and key.pem)")
     if settings.voice_dir is not None and not settings.voice_dir.is_dir():
         raise UserError(f"--voice-prompt-dir {settings.voice_dir}: not a directory")
+    if settings.static is not None and not (settings.static / "index.html").is_file():
+        raise UserError(f"--static {settings.static}: no index.html there (give a client build's folder)")
     for flag, path in (
         ("--moshi-weight", settings.moshi_weight),
         ("--mimi-weight", settings.mimi_weight),
@@ -193,13 +229,15 @@ def configure_logging(settings: ServerSettings, fmt: str = LOG_FORMAT) -> None:
     logging.basicConfig(level=level, format=fmt, force=True)
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(RedactTokens())
+    logging.getLogger("uvicorn.error").addFilter(ClientMistakesAreWarnings())
 
 
 def uvicorn_config(settings: ServerSettings, app: object):
-    """The uvicorn settings every server process runs with."""
+    """The uvicorn settings every server process runs with (the embedded server, each front-end)."""
     import uvicorn
 
     ssl_files = settings.ssl_files()
+    http_protocol, ws_protocol = protocol_classes(settings.http_limits())
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -210,6 +248,11 @@ def uvicorn_config(settings: ServerSettings, app: object):
         # Above our own per-message cap, so an oversize message gets a 0x05 from us, not a bare close.
         ws_max_size=max(16 * 1024 * 1024, 4 * settings.max_message_bytes),
         ws_per_message_deflate=False,  # Opus does not compress; deflate would only cost CPU
+        # Request-line, header and head-timeout limits, and WebSocket upgrades that are always
+        # answered (server/http_guard.py: uvicorn alone leaves all three open).
+        http=http_protocol,
+        ws=ws_protocol,
+        timeout_keep_alive=settings.http_keepalive_timeout_s,
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
@@ -235,6 +278,9 @@ def call_ending_server_class():
 
 
 def run_server(settings: ServerSettings) -> None:
+    from personaplex_voice.audio.opus_library import require_opus
+
+    require_opus()  # /api/chat speaks Ogg-Opus: a machine without libopus is told so, in one line
     from personaplex_voice.server.app import create_app
 
     check_files(settings)

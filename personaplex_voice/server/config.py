@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from personaplex_voice.server.http_guard import HttpLimits
+
 
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_", extra="ignore")
@@ -36,6 +38,12 @@ class ServerSettings(BaseSettings):
     tokenizer: Path | None = None
     # `auto` = float32 on CPU, bfloat16 on CUDA; or float32, bfloat16, float16.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # How system prompts are run: `parallel` (fast) or `stepwise` (bit for bit the published run).
+    prefill: Literal["parallel", "stepwise"] = "parallel"
+    # `int8`: the LM's linear weights as int8 rows (for GPUs where bfloat16 weights do not fit).
+    quantize: Literal["none", "int8"] = "none"
+    # The LM's KV cache dtype; `auto` = the LM dtype; `float8` halves the memory per call.
+    kv_dtype: Literal["auto", "bfloat16", "float16", "float32", "float8"] = "auto"
     # torch intra-op threads; 0 = auto (1 for tiny models, torch's default otherwise). Set it on a
     # shared CPU so the server does not take every core from its neighbours.
     threads: int = Field(0, ge=0, le=1024)
@@ -67,6 +75,34 @@ class ServerSettings(BaseSettings):
     ray: str | None = None
     # SIGTERM on a cluster: stop admitting, let running calls go on up to this long, then end them.
     drain_s: float = Field(30.0, ge=0)
+
+    # HTTP limits (server/http_guard.py): a longer request line gets 414, more or larger headers
+    # 431; a request whose head is not complete this long after connecting (or after the last
+    # response) gets 408, an idle connection is closed. Keep-alive: idle time between requests.
+    max_request_line_bytes: int = Field(16 * 1024, ge=1024, le=1 << 20)
+    max_header_bytes: int = Field(16 * 1024, ge=1024, le=1 << 20)
+    max_headers: int = Field(100, ge=8, le=1000)
+    http_request_timeout_s: float = Field(10.0, gt=0)
+    http_keepalive_timeout_s: float = Field(5.0, gt=0)
+    # Prompts stored with POST /api/prompts (for ?prompt_id=) live this long.
+    prompt_ttl_s: float = Field(600.0, gt=0)
+    # The 0x04 metadata's `instance_name` (the reference client shows it); empty = the host name.
+    instance_name: str = ""
+    # Another client build to serve at / instead of web/ (e.g. the reference client's dist/).
+    static: Path | None = None
+
+    @field_validator("static", mode="before")
+    @classmethod
+    def _empty_static_is_none(cls, value: object) -> object:
+        return None if value in ("", None) else value
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            max_request_line_bytes=self.max_request_line_bytes,
+            max_header_bytes=self.max_header_bytes,
+            max_headers=self.max_headers,
+            request_timeout_s=self.http_request_timeout_s,
+        )
 
     @field_validator("api_key", mode="before")
     @classmethod
