@@ -287,7 +287,8 @@ async def _readyz(request: Request) -> JSONResponse:
     readiness = getattr(app.state.manager, "readiness", None)  # a cluster front-end: cluster-wide
     if status["state"] == "ready" and callable(readiness):
         ok, body = readiness()
-        return JSONResponse({"model": app.state.model_name, **body}, status_code=200 if ok else 503)
+        model = info.public_model_name(app.state.model_name)
+        return JSONResponse({"model": model, **body}, status_code=200 if ok else 503)
     occupancy = _occupancy(app)
     if status["state"] != "ready":
         return JSONResponse({"status": status["state"], "detail": status["detail"]}, status_code=503)
