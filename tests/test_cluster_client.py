@@ -105,7 +105,7 @@ async def test_a_lossless_session_through_the_split_is_the_in_process_session(tm
         assert [f.text for f in frames[:4]] == [" one", None, " two", " one"]
         assert session.stats["frames_in"] == 30 and session.stats["worker"] == "w0"
         assert c.client.engine.name == "loopback"
-        assert {v.name for v in c.client.engine.voices()} == {"LOOPF0", "LOOPM0"}
+        assert c.client.engine.voices() == list(LoopbackEngine().voices())
 
 
 async def test_refusals_are_typed_and_sessions_spread_over_workers(tmp_path):
