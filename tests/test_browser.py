@@ -1,7 +1,8 @@
 """The browser client in real headless Chromium against the real echo server: the page loads,
 captures a (fake) microphone, speaks Ogg-Opus made by WebCodecs + our JS Ogg muxer over
-/api/chat, plays the echo through its AudioWorklet, shows the transcript, records the call as a
-stereo wav, and says in words when the server is full."""
+/api/chat (a long persona going by POST /api/prompts), plays the echo through its AudioWorklet,
+moves a level meter for the caller and one for the agent, shows the transcript and the server's
+info, records the call as a stereo wav, and says in words when the server is full."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ FLAGS = [
     "--autoplay-policy=no-user-gesture-required",
 ]
 SPEECH = "Hello there. I would like to talk about the weather today. It is sunny and warm."
+LONG_PROMPT = (
+    "你是一位睿智而友善的老师。请用清楚而有趣的方式回答问题。" * 80
+)  # 2,000 characters, ~18 KB as a URL
 
 READ_RECORDING = """async () => {
   const link = document.getElementById('download');
@@ -71,9 +75,12 @@ def test_browser_call_plays_echo_shows_text_and_records(microphone_wav, artifact
                 "Casual",
                 "Astronaut",
             ]
-            page.wait_for_function("document.querySelectorAll('#voice option').length === 3", timeout=15_000)
+            # The echo engine's voices: its own two and the 18 published names, plus the default.
+            page.wait_for_function("document.querySelectorAll('#voice option').length === 21", timeout=15_000)
             page.click("#presets button:has-text('Astronaut')")
             assert "astronaut" in page.input_value("#prompt")
+            # A persona too long for a URL once percent-encoded: the page stores it first.
+            page.fill("#prompt", LONG_PROMPT)
             page.select_option("#voice", "LOOPM0")
 
             page.click("#connect")
@@ -82,12 +89,25 @@ def test_browser_call_plays_echo_shows_text_and_records(microphone_wav, artifact
             # The worklet played the agent's audio (the echo of the fake microphone).
             page.wait_for_function("window.personaplex.stats.played > 24000 * 1.5", timeout=30_000)
             page.wait_for_function("window.personaplex.transcript.includes('echo engine')", timeout=10_000)
+            # Both meters moved: the caller's with the fake microphone, the agent's with its echo.
+            page.wait_for_function(
+                "window.personaplex.levelPeaks.caller > 0.3 && window.personaplex.levelPeaks.agent > 0.3",
+                timeout=15_000,
+            )
+            readings = set()
+            for _ in range(20):
+                readings.add(page.get_attribute("#meter-agent", "aria-valuenow"))
+                page.wait_for_timeout(50)
+            assert len(readings) > 2, readings  # it follows the audio, not stuck at one value
+            assert page.eval_on_selector("#meter-caller .bar", "e => parseFloat(e.style.width)") >= 0
             page.click("#record")  # stop: the download link appears
             page.wait_for_selector("#download:not([hidden])", timeout=10_000)
 
             state = page.evaluate("window.personaplex")
             assert state["stats"]["sentBytes"] > 1000  # microphone audio went out as Ogg-Opus
             assert state["metadata"]["voice"] == "LOOPM0"
+            assert "personaplex-voice" in page.inner_text("#stat-server")  # instance and build shown
+            assert "seed" in page.inner_text("#stat-sampling")
             assert "Hello from the echo engine" in page.inner_text("#transcript")
             assert page.inner_text("#stat-played").endswith(" s")
 

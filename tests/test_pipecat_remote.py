@@ -136,3 +136,18 @@ async def test_unreachable_server_gives_up_after_backoff() -> None:
     assert backend.backoff.delays() == [0.01, 0.02]
     with pytest.raises(BackendUnavailable, match="gave up after 3 attempts"):
         await backend.open(Persona())
+
+
+async def test_a_prompt_too_long_for_a_url_goes_by_post(server) -> None:
+    """3,000 CJK characters are ~27 KB percent-encoded: past the server's request-line limit, so
+    the backend stores the prompt with POST /api/prompts and connects by its `prompt_id`."""
+    prompt = "你是一家银行的客服代表。" * 250
+    assert len(ChatParams(text_prompt=prompt).url(server.ws_url + "/api/chat").encode()) > 16 * 1024
+    backend = RemoteBackend(server.ws_url + "/api/chat", api_key=API_KEY)
+    session = await backend.open(Persona(text_prompt=prompt))
+    try:
+        assert "prompt_id=" in session._url and "text_prompt=&" in session._url + "&"
+        assert session.metadata["session_id"]
+    finally:
+        await session.close()
+    assert await wait_for_active(server, 0) == 0

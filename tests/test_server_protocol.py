@@ -179,3 +179,59 @@ def test_a_persona_survives_the_query_string_round_trip():
     params = ChatParams.from_persona(persona)
     assert params.persona() == persona
     assert ChatParams.from_query(params.to_query()).persona() == persona
+
+
+@pytest.mark.parametrize(
+    ("query", "shown"),
+    [
+        ({"seed": "9" * 30}, "got " + "9" * 30),  # not 1e30 rounded to another number
+        ({"seed": "1e30"}, "got 1e30"),
+        ({"text_topk": "1e30"}, "got 1e30"),
+        ({"audio_topk": "0099999999999999999999"}, "got 0099999999999999999999"),
+        ({"text_seed": "2147483648"}, "text_seed must be between -1 and 2147483647, got 2147483648"),
+    ],
+)
+def test_numbers_in_errors_are_the_clients_own_text(query, shown):
+    with pytest.raises(QueryError) as caught:
+        ChatParams.from_query(query)
+    assert str(caught.value).endswith(shown)
+
+
+def test_text_and_audio_seeds_make_one_seed():
+    # The reference client sends text_seed and audio_seed (never seed): a pair is one seed.
+    pair = ChatParams.from_query({"text_seed": "123", "audio_seed": "456"}).seed
+    assert pair == 123 * 2**32 + 456
+    assert ChatParams.from_query({"audio_seed": "456", "text_seed": "123"}).seed == pair
+    assert ChatParams.from_query({"text_seed": "123", "audio_seed": "457"}).seed != pair
+    assert ChatParams.from_query({"text_seed": "-1", "audio_seed": "-1"}).seed is None
+    assert ChatParams.from_query({"text_seed": "5"}).seed == 5 * 2**32
+    assert ChatParams.from_query({"seed": "7", "text_seed": "5", "audio_seed": "6"}).seed == 7
+
+
+def test_stored_prompts_expire_and_stay_bounded():
+    from personaplex_voice.server.prompts import PromptStore
+
+    now = [0.0]
+    store = PromptStore(ttl_s=10, max_entries=3, clock=lambda: now[0])
+    first = store.put("one")
+    assert store.get(first) == "one" and store.get(first) == "one"  # reusable until it expires
+    assert len(first) >= 22 and store.get("guess") is None
+    ids = [store.put(f"p{i}") for i in range(3)]
+    assert store.get(first) is None and len(store) == 3  # the oldest went first
+    now[0] = 10.5
+    assert all(store.get(i) is None for i in ids) and len(store) == 0
+
+
+def test_model_paths_are_named_never_shown(tmp_path):
+    from personaplex_voice.server import info
+
+    model_dir = tmp_path / "models" / "secret-model"
+    model_dir.mkdir(parents=True)
+    assert info.public_model_name(str(model_dir)) == "secret-model"
+    assert info.public_model_name("nvidia/personaplex-7b-v1") == "nvidia/personaplex-7b-v1"
+    assert info.public_model_name("demo") == "demo"
+    settings = ServerSettings(model=str(model_dir), moshi_weight=tmp_path / "w" / "lm.safetensors")
+    line = f"loading model {model_dir} on cpu with {tmp_path}/w/lm.safetensors"
+    assert str(tmp_path) not in info.redact_paths(line, settings)
+    fields = info.reference_client_fields(settings, "x")
+    assert fields["lm_model_file"] == "lm.safetensors"

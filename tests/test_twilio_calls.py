@@ -262,3 +262,31 @@ async def test_a_silent_stream_hits_the_idle_limit_and_is_hung_up(harness: Harne
     record = next(c for c in calls_state(harness)["calls"] if c["call_sid"] == call_sid)
     assert record["end_reason"] == "idle timeout"
     await wait_for(lambda: harness.manager.active_count == 0)
+
+
+async def test_media_far_faster_than_real_time_ends_only_that_call(harness: Harness) -> None:
+    """A stream sending seconds of audio per message (64 KiB messages, the bridge's limit) is
+    refused once past a 10 s burst at 1.5x real time, before its decoding costs the others."""
+    call_sid, url, params = await asyncio.to_thread(harness.sim.answer)
+    async with harness.sim.media_stream(url, params, call_sid=call_sid) as call:
+        six_seconds = b"\xff" * 48_000  # 64 KiB of JSON once base64-encoded
+        for _ in range(10):
+            if call.closed.is_set():
+                break
+            await call.send_media(six_seconds)
+        await asyncio.wait_for(call.closed.wait(), 10)
+    state = await asyncio.to_thread(calls_state, harness)
+    record = next(c for c in state["calls"] if c["call_sid"] == call_sid)
+    assert record["end_reason"] == "protocol error: caller audio arrives much faster than real time"
+    assert state["active_sessions"] == 0
+
+
+async def test_a_dtmf_message_with_two_digits_is_refused_saying_what_came(harness: Harness) -> None:
+    call_sid, url, params = await asyncio.to_thread(harness.sim.answer)
+    async with harness.sim.media_stream(url, params, call_sid=call_sid) as call:
+        await call.play(np.zeros(1600, np.float32))
+        await call.dtmf("12")
+        await asyncio.wait_for(call.closed.wait(), 10)
+    state = await asyncio.to_thread(calls_state, harness)
+    record = next(c for c in state["calls"] if c["call_sid"] == call_sid)
+    assert record["end_reason"] == 'protocol error: `dtmf` needs one digit, got `digit` "12"'

@@ -2,6 +2,7 @@
 import { Kind, chatUrl, decodeMessage, encodeAudio } from "./protocol.js";
 import { OggOpusDecoder, OggOpusEncoder, Resampler, WIRE_RATE, webCodecsAvailable } from "./opus.js";
 import { ConversationRecorder } from "./recorder.js";
+import { LevelMeter } from "./levels.js";
 
 // The reference client's prompt examples (assistant, customer service, casual, astronaut).
 const PRESETS = [
@@ -34,8 +35,37 @@ const state = {
   metadata: null,
   error: null,
   micSamplesSent: 0,
+  levels: { caller: 0, agent: 0 }, // the meters, 0..1
+  levelPeaks: { caller: 0, agent: 0 }, // the loudest each meter showed in this call
 };
 window.personaplex = state;
+
+const meters = { caller: new LevelMeter($("meter-caller")), agent: new LevelMeter($("meter-agent")) };
+
+function showLevels(mic, agent) {
+  for (const [name, samples] of [["caller", mic], ["agent", agent]]) {
+    state.levels[name] = meters[name].update(samples);
+    state.levelPeaks[name] = Math.max(state.levelPeaks[name], state.levels[name]);
+  }
+}
+
+// Prompts whose URL form would be longer than this go by POST /api/prompts (a request line is
+// capped by the server and by proxies; see docs/server.md), named in the URL by `prompt_id`.
+const MAX_PROMPT_IN_URL = 2000;
+
+async function promptParams(text) {
+  if (encodeURIComponent(text).length <= MAX_PROMPT_IN_URL) return { text_prompt: text };
+  const url = new URL("/api/prompts", location.href);
+  for (const [k, v] of Object.entries(tokenParams())) url.searchParams.set(k, v);
+  const response = await fetch(url, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ text_prompt: text }),
+  });
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(body.detail || `the server answered ${response.status}`);
+  return { prompt_id: body.prompt_id };
+}
 
 let call = null; // the live conversation's resources
 
@@ -135,6 +165,7 @@ async function connect() {
   $("transcript").textContent = "";
   state.transcript = "";
   state.micSamplesSent = 0;
+  state.levelPeaks = { caller: 0, agent: 0 };
   setStatus("Opening the microphone…", "connecting");
   $("connect").disabled = true;
 
@@ -148,8 +179,18 @@ async function connect() {
     return;
   }
 
+  let prompt;
+  try {
+    prompt = await promptParams($("prompt").value);
+  } catch (e) {
+    closeAudio(audio);
+    $("connect").disabled = false;
+    setStatus("Not connected.", "idle");
+    showError(`The server did not take the prompt: ${e.message || e}`);
+    return;
+  }
   const params = {
-    text_prompt: $("prompt").value,
+    ...prompt,
     voice_prompt: $("voice").value,
     seed: $("seed").value,
     text_temperature: $("text-temperature").value,
@@ -170,7 +211,7 @@ async function connect() {
     (pcm) => audio.playback.port.postMessage({ type: "pcm", samples: pcm }, [pcm.buffer]),
     onCodecError,
   );
-  call = { ws, audio, encoder, decoder, recorder, live: false, serverError: null };
+  call = { ws, audio, encoder, decoder, recorder, live: false, opened: false, serverError: null };
 
   function send(pages) {
     if (ws.readyState !== WebSocket.OPEN) return;
@@ -181,6 +222,7 @@ async function connect() {
 
   audio.capture.port.onmessage = ({ data }) => {
     recorder.add(data.agent, data.mic);
+    showLevels(data.mic, data.agent);
     if (!call || !call.live) return; // like the reference client: audio flows after the handshake
     const pcm = toWire.process(data.mic);
     state.micSamplesSent += pcm.length;
@@ -192,6 +234,7 @@ async function connect() {
   };
 
   ws.onopen = () => {
+    call.opened = true;
     setStatus("Connected; preparing the persona…", "preparing");
     measureNetwork();
   };
@@ -228,7 +271,10 @@ async function connect() {
     }
   };
   ws.onclose = (event) => {
-    if (call && !call.serverError && event.code !== 1000 && event.code !== 1005) {
+    if (call && !call.opened) {
+      // A browser shows a refused upgrade (an HTTP 4xx/5xx) only as a close: say what it may be.
+      showError("The server refused the connection before it opened (it is down or unreachable, or it answered the upgrade with an HTTP error: see its log).");
+    } else if (call && !call.serverError && event.code !== 1000 && event.code !== 1005) {
       showError(`The connection closed (code ${event.code}${event.reason ? `: ${event.reason}` : ""}).`);
     }
     hangUp(call && call.serverError ? "Ended by the server." : "Call ended.");
@@ -239,6 +285,14 @@ function onMetadata(data) {
   if (!data) return;
   state.metadata = data;
   $("stat-session").textContent = `${data.session_id} · ${data.model} · voice ${data.voice}`;
+  const seed = data.seed === -1 ? "random seed" : `seed ${data.seed}`;
+  $("stat-sampling").textContent = data.greedy
+    ? `greedy · ${seed}`
+    : `text ${data.text_temperature} / top ${data.text_topk} · audio ${data.audio_temperature} / top ${data.audio_topk} · ${seed}`;
+  if (data.instance_name) {
+    const build = data.build_info ? ` · ${data.build_info.git_describe}` : "";
+    $("stat-server").textContent = `${data.instance_name}${build} · ${data.max_sessions} line(s)`;
+  }
   if (data.queue_position > 0) {
     const ahead = data.queue_position - 1;
     const who = ahead === 0 ? "you are next" : `${ahead} caller${ahead === 1 ? "" : "s"} ahead of you`;
@@ -257,6 +311,9 @@ function hangUp(message) {
   ending.decoder.close();
   if (ending.ws.readyState <= WebSocket.OPEN) ending.ws.close(1000);
   closeAudio(ending.audio);
+  meters.caller.reset();
+  meters.agent.reset();
+  state.levels = { caller: 0, agent: 0 };
   $("connect").disabled = false;
   $("connect").textContent = "Connect";
   $("record").disabled = true;

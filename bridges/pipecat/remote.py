@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
@@ -32,6 +36,10 @@ log = logging.getLogger("personaplex_pipecat.remote")
 # User audio waiting to be encoded and sent; past this the oldest is dropped (a stalled socket
 # must not turn into seconds of latency once it recovers).
 MAX_SEND_BACKLOG_S = 1.0
+# A connect URL longer than this (a long persona, percent-encoded) goes the server's long-prompt
+# way: the prompt is stored with POST /api/prompts and the URL names it by `prompt_id` (servers
+# refuse request lines past 16 KiB by default; proxies often stop at 8 KiB).
+MAX_URL_BYTES = 6000
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,11 @@ class RemoteBackend:
         return None
 
     async def open(self, persona: Persona) -> RemoteSession:
-        url = ChatParams.from_persona(persona).url(self.url)
+        params = ChatParams.from_persona(persona)
+        url = params.url(self.url)
+        if len(url.encode()) > MAX_URL_BYTES:
+            prompt_id = await asyncio.to_thread(self._store_prompt, persona.text_prompt)
+            url = replace(params, text_prompt="").url(self.url, prompt_id=prompt_id)
         delays = self.backoff.delays()
         for attempt in range(len(delays) + 1):
             try:
@@ -179,6 +191,27 @@ class RemoteBackend:
                 log.warning("%s; retrying in %.1f s", exc, delays[attempt])
                 await asyncio.sleep(delays[attempt])
         raise AssertionError("unreachable")
+
+    def _store_prompt(self, text: str) -> str:
+        """POST /api/prompts on the server of `self.url`; the id to connect with."""
+        parts = urlsplit(self.url)
+        scheme = "https" if parts.scheme == "wss" else "http"
+        endpoint = urlunsplit((scheme, parts.netloc, parts.path.rsplit("/", 1)[0] + "/prompts", "", ""))
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        body = json.dumps({"text_prompt": text}, ensure_ascii=False).encode("utf-8")
+        request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self._open_timeout_s) as response:
+                return str(json.loads(response.read())["prompt_id"])
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:300].decode("utf-8", "replace")
+            kind = "auth" if exc.code in (401, 403) else "persona"
+            message = f"{endpoint} refused the prompt (HTTP {exc.code}): {detail}"
+            raise SessionRefused(message, kind=kind) from exc
+        except (OSError, ValueError, KeyError) as exc:
+            raise BackendUnavailable(f"cannot store the prompt at {endpoint}: {exc}") from exc
 
     async def _open_once(self, url: str) -> RemoteSession:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None

@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from personaplex_voice.audio.budget import TokenBucket
 from personaplex_voice.engine.base import SAMPLE_RATE
 
-from .audio_path import InboundAudio
+from .audio_path import TWILIO_RATE, InboundAudio
 from .playback_buffer import CHUNK_S, FRAME_S
+from .wire import ProtocolError
 
 
 class CallerAudio:
@@ -31,9 +33,14 @@ class CallerAudio:
         self.last_media = time.monotonic()  # Twilio sends caller audio every 20 ms, silence included
         self.last_pcm: np.ndarray | None = None  # the latest frame pushed (for level meters)
         self._cushioned = False
+        # Twilio sends 8,000 μ-law bytes a second; allow 1.5x that, and a 10 s burst after a stall.
+        self._pace = TokenBucket(1.5 * TWILIO_RATE, 10 * TWILIO_RATE)
 
     def feed(self, ulaw: bytes, chunk: int | None, session: Any | None) -> None:
-        """One `media` payload; `session` is None until it is ready (the payload is then dropped)."""
+        """One `media` payload; `session` is None until it is ready (the payload is then dropped).
+        Raises ProtocolError for audio far faster than real time (decoding it is our CPU)."""
+        if not self._pace.take(len(ulaw)):
+            raise ProtocolError("caller audio arrives much faster than real time")
         self.frames_in += 1
         self.last_media = time.monotonic()
         if chunk is not None:

@@ -110,7 +110,8 @@ def media_chunk(media: dict[str, Any]) -> int | None:
 def dtmf_digit(dtmf: dict[str, Any]) -> str:
     digit = dtmf.get("digit")
     if not isinstance(digit, str) or len(digit) != 1:
-        raise ProtocolError("`dtmf` without a digit", CLOSE_INVALID_DATA)
+        given = "no `digit`" if digit is None else f"`digit` {json.dumps(digit)[:40]}"
+        raise ProtocolError(f"`dtmf` needs one digit, got {given}", CLOSE_INVALID_DATA)
     return digit
 
 

@@ -14,6 +14,12 @@ hostile client, and the right answer is to tell that client, not to guess):
   channel mapping) raises :class:`OggError`; the reader then stays failed;
 * local damage (a page whose CRC does not match, a lost page, an Opus packet libopus rejects,
   pages of another multiplexed logical stream) is skipped and counted in ``dropped``.
+
+Decoding is the receiving server's cost, so ``feed`` takes an optional :class:`DecodeBudget`: every
+page and every packet (decoded or rejected) is charged as it is met, and the first breach stops
+the message there (``DecodeBudgetExceeded``) instead of after all of it has been decoded. A
+failed reader keeps only what went wrong, never the exception (whose traceback would hold the
+decoded audio of the message that failed).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import opuslib.api.ctl
 import opuslib.api.decoder
 import opuslib.api.encoder
 
+from .budget import DecodeBudget, DecodeBudgetExceeded
 from .framing import FrameBuffer
 
 __all__ = ["OPUS_RATES", "OggError", "OggOpusReader", "OggOpusWriter", "OpusHead", "ogg_crc"]
@@ -168,7 +175,7 @@ class OggOpusReader:
         self.head: OpusHead | None = None
         self.tags: OpusTags | None = None
         self._buf = bytearray()
-        self._error: OggError | None = None
+        self._failure: OggError | DecodeBudgetExceeded | None = None  # a fresh copy is raised each time
         self._serial: int | None = None
         self._ended = False  # EOS seen; only a new logical stream (BOS) may follow
         self._next_seq = 0
@@ -180,19 +187,29 @@ class OggOpusReader:
         self._max_frame = sample_rate * 120 // 1000  # the longest Opus packet: 120 ms
         self._pcm = np.empty(0, dtype=np.float32)  # decode buffer, sized once OpusHead is known
 
-    def feed(self, data: bytes) -> list[np.ndarray]:
-        if self._error is not None:
-            raise self._error
+    def feed(self, data: bytes, budget: DecodeBudget | None = None) -> list[np.ndarray]:
+        """Decodes every page ``data`` completes. With a ``budget``, each page and packet is charged
+        as it is met and the first breach raises ``DecodeBudgetExceeded``: the reader is then
+        failed, like after an ``OggError``, and the audio of that message is dropped."""
+        if self._failure is not None:
+            raise _copy(self._failure)
         self._buf += data
         out: list[np.ndarray] = []
+        if budget is not None:
+            budget.begin_message()
         try:
             pos = 0
             while (page_len := self._complete_page_length(pos)) is not None:
-                self._on_page(bytes(self._buf[pos : pos + page_len]), out)
+                if budget is not None:
+                    budget.charge_page()
+                self._on_page(bytes(self._buf[pos : pos + page_len]), out, budget)
                 pos += page_len
             del self._buf[:pos]
-        except OggError as exc:
-            self._error = exc
+            if budget is not None:
+                budget.end_message()
+        except (OggError, DecodeBudgetExceeded) as exc:
+            out.clear()  # the traceback keeps this frame: it must not keep the audio too
+            self._failure = _copy(exc)
             self._buf.clear()
             raise
         return out
@@ -216,13 +233,15 @@ class OggOpusReader:
             raise OggError(f"Ogg page of {page_len} bytes is over the {self.max_page_bytes}-byte limit")
         return page_len if available >= page_len else None
 
-    def _on_page(self, page: bytes, out: list[np.ndarray]) -> None:
+    def _on_page(self, page: bytes, out: list[np.ndarray], budget: DecodeBudget | None) -> None:
         _, _, flags, granule, serial, seq, crc, segments = _PAGE_HEADER.unpack_from(page)
         unsummed = bytearray(page)
         unsummed[_CRC_OFFSET : _CRC_OFFSET + 4] = b"\0\0\0\0"
         if ogg_crc(unsummed) != crc:
             self.dropped += 1
             self._lose_partial()
+            if budget is not None:
+                budget.charge_damage()
             return
         if self._serial is None or (self._ended and flags & _FLAG_BOS):
             if not flags & _FLAG_BOS:
@@ -230,6 +249,8 @@ class OggOpusReader:
             self._start_logical_stream(serial, seq)
         elif serial != self._serial or self._ended:
             self.dropped += 1  # another multiplexed stream, or pages after end of stream
+            if budget is not None:
+                budget.charge_damage()
             return
         if seq != self._next_seq:
             self._lose_partial()  # pages went missing in between
@@ -260,7 +281,11 @@ class OggOpusReader:
                 raise OggError(f"Opus packet over {self.max_page_bytes} bytes")
             if value < 255:  # packet complete
                 packet, self._partial = bytes(self._partial), None
-                self._on_packet(packet, out)
+                decoded = self._on_packet(packet, out)
+                if budget is not None and decoded < 0:
+                    budget.charge_damage()
+                elif budget is not None:
+                    budget.charge_packet(decoded)
         if flags & _FLAG_EOS:
             self._ended = True
             self._partial = None
@@ -289,7 +314,9 @@ class OggOpusReader:
             self.dropped += 1
             self._partial = None
 
-    def _on_packet(self, packet: bytes, out: list[np.ndarray]) -> None:
+    def _on_packet(self, packet: bytes, out: list[np.ndarray]) -> int:
+        """Decodes one packet into ``out``; returns the samples libopus produced (0 for a header),
+        -1 for a packet skipped as damaged."""
         if self.head is None:
             self.head = OpusHead.parse(packet)
             self._decoder = opuslib.Decoder(self.sample_rate, self.head.channels)
@@ -297,13 +324,13 @@ class OggOpusReader:
             self._to_skip = round(self.head.pre_skip * self.sample_rate / _GRANULE_RATE)
             self._decoded = 0
             self._gain = 10.0 ** (self.head.output_gain_q8 / (20.0 * 256.0))
-            return
+            return 0
         if self.tags is None:
             self.tags = OpusTags.parse(packet)
-            return
+            return 0
         if not packet:
             self.dropped += 1
-            return
+            return -1
         assert self._decoder is not None
         # The same libopus call as opuslib's Decoder.decode_float, but into a reused numpy buffer:
         # opuslib copies the samples through a Python list, which costs more than the decoding.
@@ -317,7 +344,7 @@ class OggOpusReader:
         )
         if n < 0:  # libopus rejected the packet
             self.dropped += 1
-            return
+            return -1
         pcm = self._pcm[: n * self.head.channels].copy()
         if self.head.channels == 2:
             pcm = pcm.reshape(-1, 2).mean(axis=1, dtype=np.float32)
@@ -329,6 +356,14 @@ class OggOpusReader:
             pcm = pcm * np.float32(self._gain)
         if len(pcm):
             out.append(np.ascontiguousarray(pcm))
+        return n
+
+
+def _copy(exc: OggError | DecodeBudgetExceeded) -> OggError | DecodeBudgetExceeded:
+    """The same failure as a new exception object, without the original's traceback."""
+    if isinstance(exc, DecodeBudgetExceeded):
+        return DecodeBudgetExceeded(exc.reason, str(exc))
+    return OggError(str(exc))
 
 
 # --- Writer ---------------------------------------------------------------------------------------

@@ -27,7 +27,12 @@ from personaplex_voice.engine.base import (
     VoiceInfo,
 )
 
-LOOPBACK_VOICES = ("LOOPF0", "LOOPM0")
+# The names NVIDIA's PersonaPlex web client offers (it never asks /api/voices; NATF0 is its
+# default), so it can be tried against the echo: every voice here is the same echo.
+PUBLISHED_VOICES = tuple(
+    [f"NAT{g}{i}" for g in "FM" for i in range(4)] + [f"VAR{g}{i}" for g in "FM" for i in range(5)]
+)
+LOOPBACK_VOICES = ("LOOPF0", "LOOPM0", *PUBLISHED_VOICES)
 MAX_PROMPT_CHARS = 4000  # the real engine rejects prompts past its context; mimic a limit
 
 

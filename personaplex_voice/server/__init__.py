@@ -1,4 +1,4 @@
-"""The native server: `/api/chat` (PersonaPlex/Moshi protocol), voices, health, metrics, `web/`.
+"""The native server: `/api/chat` (PersonaPlex/Moshi protocol), prompts, voices, health, metrics, `web/`.
 
 | module | job |
 | --- | --- |
@@ -8,6 +8,9 @@
 | `chat` | one `/api/chat` WebSocket bridged to one Session |
 | `protocol` | message kinds, encoders/decoders and `ChatParams` (reused by clients) |
 | `access` | API key and Origin checks |
+| `http_guard` | uvicorn protocol classes: request-line/header limits, head timeouts, answered upgrades |
+| `prompts` | `PromptStore`: prompts stored by `POST /api/prompts` for `?prompt_id=` |
+| `info` | what the server says about itself (model names without paths, the reference client's fields) |
 | `metrics` | Prometheus export of the manager's and the server's instruments |
 | `engine_loader` | the engine the settings ask for (echo without torch; dtype, threads, files) |
 | `runtime` | process-wide interpreter settings for realtime (gc.freeze, GIL switch interval) |

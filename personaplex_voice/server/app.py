@@ -1,4 +1,5 @@
-"""The FastAPI app: `/api/chat`, `/api/voices`, `/healthz`, `/readyz`, `/metrics` and `web/` at `/`.
+"""The FastAPI app: `/api/chat`, `/api/prompts`, `/api/voices`, `/healthz`, `/readyz`, `/metrics`
+and `web/` (or the `--static` build) at `/`. No OpenAPI schema or docs pages are served.
 
 The app serves HTTP while the model loads (so `/healthz` answers and `/readyz` says "loading");
 the engine is built and warmed in a worker thread by the lifespan, then one SessionManager is
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -20,10 +23,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from personaplex_voice.server import access, metrics, runtime
+from personaplex_voice.server import access, info, metrics, runtime
 from personaplex_voice.server.chat import chat_endpoint
 from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.engine_loader import load_engine, warm_engine
+from personaplex_voice.server.prompts import PromptStore
+from personaplex_voice.server.protocol import ChatParams, QueryError
 from personaplex_voice.server.static import web_root
 
 log = logging.getLogger("personaplex_voice.server")
@@ -60,8 +65,11 @@ def create_app(
             if app.state.manager is not None:
                 await app.state.manager.shutdown()
 
-    app = FastAPI(title="personaplex-voice", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="personaplex-voice", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.settings = settings
+    app.state.prompts = PromptStore(ttl_s=settings.prompt_ttl_s)
     app.state.manager = None
     app.state.engine = None
     app.state.model_name = settings.model if settings.engine == "model" else "echo"
@@ -70,11 +78,12 @@ def create_app(
     app.state.registry = metrics.build_registry(app.state.server_metrics, lambda: _manager_instruments(app))
 
     app.add_api_websocket_route("/api/chat", chat_endpoint)
+    app.add_api_route("/api/prompts", _store_prompt, methods=["POST"])
     app.add_api_route("/api/voices", _voices, methods=["GET"])
     app.add_api_route("/healthz", _healthz, methods=["GET"])
     app.add_api_route("/readyz", _readyz, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
-    _serve_web_when_unmatched(app)
+    _serve_web_when_unmatched(app, settings.static)
 
     if settings.twilio:
         mount_twilio(app)
@@ -192,10 +201,76 @@ def _occupancy(app: FastAPI) -> dict[str, Any]:
 
 
 async def _healthz(request: Request) -> JSONResponse:
+    """Liveness and load progress. Local model paths only for callers holding the API key (none
+    is configured: nobody holds it), others see the last part of each path."""
     app = request.app
+    settings: ServerSettings = app.state.settings
+    status = dict(app.state.load_status)
+    model = app.state.model_name
+    if not (settings.api_key is not None and access.key_ok(settings, request.headers, request.query_params)):
+        model = info.public_model_name(model)
+        status["detail"] = info.redact_paths(str(status.get("detail", "")), settings)
+    return JSONResponse({"status": "ok", "model": model, **status, **_occupancy(app)})
+
+
+async def _store_prompt(request: Request) -> JSONResponse:
+    """`POST /api/prompts` with `{"text_prompt": "..."}` (or the text as text/plain): stores it and
+    answers `{"prompt_id", "expires_in_s", "characters"}` for `/api/chat?prompt_id=`."""
+    settings: ServerSettings = request.app.state.settings
+    _require_key(request)
+    if not access.origin_ok(settings, request.headers):
+        raise HTTPException(
+            status_code=403, detail=f"origin {request.headers.get('origin')!r} is not allowed"
+        )
+    limit = settings.max_prompt_chars * 4 + 1024  # UTF-8 is at most 4 bytes a character, plus JSON
+    body = await _bounded_body(request, limit, settings.http_request_timeout_s)
+    text = _prompt_text(body, request.headers.get("content-type", ""))
+    try:
+        ChatParams.from_query({}, max_prompt_chars=settings.max_prompt_chars, text_prompt=text)
+    except QueryError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from None
+    store: PromptStore = request.app.state.prompts
+    prompt_id = store.put(text)
     return JSONResponse(
-        {"status": "ok", "model": app.state.model_name, **app.state.load_status, **_occupancy(app)}
+        {"prompt_id": prompt_id, "expires_in_s": store.ttl_s, "characters": len(text)}, status_code=201
     )
+
+
+async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(status_code=413, detail=f"a stored prompt is at most {limit} bytes")
+    body = bytearray()
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise HTTPException(status_code=413, detail=f"a stored prompt is at most {limit} bytes")
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise HTTPException(
+            status_code=408, detail=f"the body did not arrive within {timeout_s:g} s"
+        ) from None
+    return bytes(body)
+
+
+def _prompt_text(body: bytes, content_type: str) -> str:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HTTPException(status_code=400, detail="the prompt is not UTF-8") from None
+    if not content_type.split(";")[0].strip().lower().endswith("json"):
+        return text
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise HTTPException(status_code=400, detail="the body is not valid JSON") from None
+    if not isinstance(data, dict) or not isinstance(data.get("text_prompt"), str):
+        raise HTTPException(status_code=400, detail='send {"text_prompt": "..."} (a JSON object)')
+    return data["text_prompt"]
 
 
 async def _readyz(request: Request) -> JSONResponse:
@@ -208,7 +283,8 @@ async def _readyz(request: Request) -> JSONResponse:
         return JSONResponse({"status": status["state"], "detail": status["detail"]}, status_code=503)
     if occupancy["available"] <= 0:
         return JSONResponse({"status": "full", **occupancy}, status_code=503)
-    return JSONResponse({"status": "ready", "model": app.state.model_name, **occupancy})
+    model = info.public_model_name(app.state.model_name)  # never a local path, to anyone
+    return JSONResponse({"status": "ready", "model": model, **occupancy})
 
 
 async def _metrics(request: Request) -> Response:
@@ -219,13 +295,16 @@ async def _metrics(request: Request) -> Response:
 # -- the browser client ------------------------------------------------------------------------
 
 
-def _serve_web_when_unmatched(app: FastAPI) -> None:
-    """Serve web/ for any GET no route claims. Done through the router's fallback rather than a
-    Mount at "/", so routes added later (the Twilio bridge's /twilio/*) are never shadowed."""
-    root = web_root()
+def _serve_web_when_unmatched(app: FastAPI, static_dir: Path | None = None) -> None:
+    """Serve web/ (or `static_dir`, another client's build) for any GET no route claims. Done
+    through the router's fallback rather than a Mount at "/", so routes added later (the Twilio
+    bridge's /twilio/*) are never shadowed."""
+    root = static_dir or web_root()
     if root is None:
         log.warning("web/ not found: the browser client is not served")
         return
+    if static_dir is not None:
+        log.info("serving the client build in %s at /", static_dir)
     files = StaticFiles(directory=root, html=True)
     not_found = app.router.default
 

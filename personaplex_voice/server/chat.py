@@ -12,7 +12,15 @@ Life of a connection:
    a 0x05 error message saying why, in words.
 
 A slow client only hurts itself: the session drops the frames it does not take in time, and a
-client that stops reading for `send_timeout_s` is disconnected.
+client that stops reading for `send_timeout_s` is disconnected. A client's input costs bounded
+work: audio is decoded against its `DecodeBudget` (audio per wall second, CPU per message and
+per second, damage charged as the costliest audio), message bytes against a byte budget; the
+first breach refuses that client (0x05, close) before the rest of its message is decoded.
+
+No exception outlives the connection in a reference cycle: the two loops' exceptions are
+re-raised as fresh copies (re-raising a task's own exception would put this frame, which holds
+the task, into that exception's traceback), so a refused client's message and decoder state are
+freed at once by reference counting, even with the garbage collector off.
 """
 
 from __future__ import annotations
@@ -20,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from personaplex_voice.audio.budget import DecodeBudget, DecodeBudgetExceeded, TokenBucket
 from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
 from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, PersonaError
-from personaplex_voice.server import access, protocol
+from personaplex_voice.server import access, info, protocol
 from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.metrics import ServerMetrics
 from personaplex_voice.server.protocol import ChatParams, Kind, QueryError
@@ -44,9 +52,10 @@ CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013
 
 QUEUE_POLL_S = 0.25
-# A client may send audio at most this much faster than real time, plus a burst of this many seconds.
-MAX_AUDIO_SPEED = 1.5
-AUDIO_BURST_S = 10.0
+# Message bytes a client may send (all kinds, text frames included), per second and at once: far
+# above any Opus stream (a 128 kbit/s one is 16 KB/s) and far below what costs the server time.
+BYTES_PER_S = 128 * 1024
+BYTES_BURST = 2 * 1024 * 1024
 
 
 class Refusal(Exception):
@@ -71,9 +80,9 @@ class ChatConnection:
         self.params: ChatParams | None = None
         self._send_lock = asyncio.Lock()
         self._reader = OggOpusReader(sample_rate=SAMPLE_RATE)
+        self._budget = DecodeBudget(SAMPLE_RATE)
+        self._bytes = TokenBucket(BYTES_PER_S, BYTES_BURST)
         self._streaming = False  # True once the handshake is sent: audio goes to the session
-        self._audio_samples = 0  # decoded from this client so far
-        self._first_audio_at: float | None = None
 
     # -- entry point ---------------------------------------------------------------------------
 
@@ -88,7 +97,7 @@ class ChatConnection:
             close_reason = refusal.kind
             await self._refuse(refusal)
         except ClientGone:
-            pass
+            log.debug("chat client left")
         except asyncio.CancelledError:
             close_reason = "shutdown"
             raise
@@ -136,7 +145,7 @@ class ChatConnection:
             sending = asyncio.create_task(self._send_loop(), name="chat-send")
             done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_COMPLETED)
             finished = receiving if receiving in done else sending
-            finished.result()  # re-raises Refusal / ClientGone
+            _raise_outcome(finished)  # Refusal / ClientGone
             if finished is sending:  # the session ended on the server's side
                 reason = self.session.close_reason or "ended"
                 code = CLOSE_GOING_AWAY if reason == "shutdown" else CLOSE_NORMAL
@@ -160,6 +169,8 @@ class ChatConnection:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
+                if task is not None:
+                    _retrieve(task)  # both may have failed (a client gone mid-send): no "never retrieved"
 
     def _admission_checks(self) -> None:
         headers, query = self.ws.headers, self.ws.query_params
@@ -175,9 +186,27 @@ class ChatConnection:
                 )
             raise Refusal("loading", "the model is still loading; retry in a few seconds", CLOSE_TRY_LATER)
         try:
-            self.params = ChatParams.from_query(query, max_prompt_chars=self.settings.max_prompt_chars)
+            self.params = ChatParams.from_query(
+                query, max_prompt_chars=self.settings.max_prompt_chars, text_prompt=self._stored_prompt()
+            )
         except QueryError as exc:
             raise Refusal("bad_query", str(exc), CLOSE_POLICY) from None
+
+    def _stored_prompt(self) -> str | None:
+        """The text of `?prompt_id=` (stored with POST /api/prompts), None without one."""
+        prompt_id = self.ws.query_params.get("prompt_id")
+        if not prompt_id:
+            return None
+        if self.ws.query_params.get("text_prompt"):
+            raise QueryError("give text_prompt or prompt_id, not both")
+        text = self.state.prompts.get(prompt_id)
+        if text is None:
+            ttl = self.state.prompts.ttl_s
+            raise QueryError(
+                f"prompt_id {prompt_id[:40]!r} is unknown or expired (stored prompts last {ttl:g} s): "
+                "store the prompt again with POST /api/prompts"
+            )
+        return text
 
     # -- waiting for a slot --------------------------------------------------------------------
 
@@ -201,7 +230,7 @@ class ChatConnection:
                         await self._send(protocol.encode_metadata(self._metadata()))
                     return
                 if receiving in done:
-                    receiving.result()  # Refusal or ClientGone
+                    _raise_outcome(receiving)  # Refusal or ClientGone
                     raise ClientGone
                 if self.session.queue_position != position:
                     position = self.session.queue_position
@@ -209,6 +238,7 @@ class ChatConnection:
         finally:
             if not ready.done():
                 ready.cancel()
+            _retrieve(ready)
 
     def _metadata(self) -> dict[str, Any]:
         assert self.params is not None
@@ -216,7 +246,7 @@ class ChatConnection:
         position = self.session.queue_position if self.session is not None else None
         return {
             "session_id": self.session.id,
-            "model": self.state.model_name,
+            "model": info.public_model_name(self.state.model_name),
             "voice": self.params.voice_prompt or "default",
             "sample_rate": SAMPLE_RATE,
             "frame_ms": 80,
@@ -228,6 +258,8 @@ class ChatConnection:
             "audio_topk": sampling.audio_topk,
             "greedy": sampling.greedy,
             "seed": self.params.seed if self.params.seed is not None else -1,
+            # What NVIDIA's PersonaPlex client validates (its server-info panel) and shows.
+            **info.reference_client_fields(self.settings, self.state.model_name),
         }
 
     # -- the two loops -------------------------------------------------------------------------
@@ -240,20 +272,12 @@ class ChatConnection:
                 raise ClientGone
             data = message.get("bytes")
             if data is None:  # a text frame: not part of the protocol, ignored like unknown kinds
-                text = message.get("text") or ""
+                size = len(message.get("text") or "")
                 self.metrics.messages_in.inc(label="text_frame")
-                if len(text) > cap:
-                    raise Refusal(
-                        "oversize",
-                        f"message of {len(text)} bytes exceeds the {cap} byte limit",
-                        CLOSE_TOO_BIG,
-                    )
+                self._check_size(size, cap)
                 continue
             self.metrics.bytes_in.inc(len(data))
-            if len(data) > cap:
-                raise Refusal(
-                    "oversize", f"message of {len(data)} bytes exceeds the {cap} byte limit", CLOSE_TOO_BIG
-                )
+            self._check_size(len(data), cap)
             decoded = protocol.decode(data)
             if decoded is None:
                 continue
@@ -263,27 +287,29 @@ class ChatConnection:
                 self._accept_audio(decoded.payload)
             # Control, ping and unknown kinds are ignored (the reference server ignores them too).
 
+    def _check_size(self, size: int, cap: int) -> None:
+        if size > cap:
+            raise Refusal("oversize", f"message of {size} bytes exceeds the {cap} byte limit", CLOSE_TOO_BIG)
+        if not self._bytes.take(size):
+            raise Refusal(
+                "too_fast",
+                f"the client sends far more data than a voice call needs (over {BYTES_PER_S // 1024} KiB/s)",
+                CLOSE_POLICY,
+            )
+
     def _accept_audio(self, pages: bytes) -> None:
+        """Decodes against this client's budget: the reader stops at the first breach, so a
+        message of hours of audio (or of packets libopus rejects) costs a few ms, not seconds."""
         try:
-            chunks = self._reader.feed(pages)
+            chunks = self._reader.feed(pages, self._budget)
+        except DecodeBudgetExceeded as exc:
+            raise Refusal(exc.reason, str(exc), CLOSE_POLICY) from None
         except ValueError as exc:  # OggError
             raise Refusal("malformed_audio", f"malformed Ogg-Opus audio: {exc}", CLOSE_INVALID_DATA) from None
-        self._check_pace(sum(len(pcm) for pcm in chunks))
         if self._streaming:  # audio sent before the handshake is decoded (headers) but not used
             for pcm in chunks:
                 if len(pcm):
                     self.session.push(pcm)
-
-    def _check_pace(self, samples: int) -> None:
-        """Decoding is the server's cost: a client may burst (after a network stall) but not
-        stream much faster than real time."""
-        now = time.monotonic()
-        if self._first_audio_at is None:
-            self._first_audio_at = now
-        self._audio_samples += samples
-        allowed = (MAX_AUDIO_SPEED * (now - self._first_audio_at) + AUDIO_BURST_S) * SAMPLE_RATE
-        if self._audio_samples > allowed:
-            raise Refusal("too_fast", "audio arrives much faster than real time", CLOSE_POLICY)
 
     async def _send_loop(self) -> None:
         writer = OggOpusWriter(sample_rate=SAMPLE_RATE, frame_ms=20)
@@ -329,6 +355,27 @@ class ChatConnection:
             self.metrics.bytes_out.inc(1 + len(refusal.message.encode()))
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(code=refusal.code, reason=refusal.kind[:120]), timeout=2.0)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Marks a finished task's exception as seen (asyncio logs "Task exception was never
+    retrieved" at ERROR, with a traceback, for one that nobody looked at)."""
+    if task.done() and not task.cancelled():
+        task.exception()
+
+
+def _raise_outcome(task: asyncio.Task[None]) -> None:
+    """Re-raises how a finished loop ended as a fresh exception (see the module docstring): our
+    own endings are copied; anything else is a bug, raised as it is for its traceback."""
+    if task.cancelled():
+        raise ClientGone
+    error = task.exception()
+    if isinstance(error, Refusal):
+        raise Refusal(error.kind, error.message, error.code)
+    if isinstance(error, ClientGone):
+        raise ClientGone
+    if error is not None:
+        raise error
 
 
 async def chat_endpoint(ws: WebSocket) -> None:

@@ -26,6 +26,7 @@ from personaplex_voice.cli_options import (
 )
 from personaplex_voice.errors import UserError
 from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.server.http_guard import ClientMistakesAreWarnings, protocol_classes
 
 
 def serve(
@@ -97,6 +98,13 @@ def serve(
     log_level: Annotated[
         str | None, typer.Option(help="debug, info, warning (env PERSONAPLEX_LOG_LEVEL)")
     ] = None,
+    static: Annotated[
+        Path | None,
+        typer.Option(
+            help="Serve this client build at / instead of web/, e.g. the reference PersonaPlex "
+            "client's dist/ (env PERSONAPLEX_STATIC)"
+        ),
+    ] = None,
 ) -> None:
     """Serve /api/chat, the browser client, health and metrics."""
     given = {name: value for name, value in locals().items() if value is not None}
@@ -153,6 +161,8 @@ def run_server(settings: ServerSettings) -> None:
                 raise UserError(f"--ssl {settings.ssl}: {path.name} not found (need cert.pem and key.pem)")
     if settings.voice_dir is not None and not settings.voice_dir.is_dir():
         raise UserError(f"--voice-prompt-dir {settings.voice_dir}: not a directory")
+    if settings.static is not None and not (settings.static / "index.html").is_file():
+        raise UserError(f"--static {settings.static}: no index.html there (give a client build's folder)")
     for flag, path in (
         ("--moshi-weight", settings.moshi_weight),
         ("--mimi-weight", settings.mimi_weight),
@@ -166,6 +176,7 @@ def run_server(settings: ServerSettings) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(RedactTokens())
+    logging.getLogger("uvicorn.error").addFilter(ClientMistakesAreWarnings())
 
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -176,6 +187,7 @@ def run_server(settings: ServerSettings) -> None:
             server.should_exit = True
 
     app = create_app(settings, on_load_error=on_load_error)
+    http_protocol, ws_protocol = protocol_classes(settings.http_limits())
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -186,6 +198,11 @@ def run_server(settings: ServerSettings) -> None:
         # Above our own per-message cap, so an oversize message gets a 0x05 from us, not a bare close.
         ws_max_size=max(16 * 1024 * 1024, 4 * settings.max_message_bytes),
         ws_per_message_deflate=False,  # Opus does not compress; deflate would only cost CPU
+        # Request-line, header and head-timeout limits, and WebSocket upgrades that are always
+        # answered (server/http_guard.py: uvicorn alone leaves all three open).
+        http=http_protocol,
+        ws=ws_protocol,
+        timeout_keep_alive=settings.http_keepalive_timeout_s,
         timeout_graceful_shutdown=5,
         lifespan="on",
     )

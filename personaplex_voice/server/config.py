@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from personaplex_voice.server.http_guard import HttpLimits
+
 
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_", extra="ignore")
@@ -57,6 +59,34 @@ class ServerSettings(BaseSettings):
     # A client that does not read for this long is disconnected (its slot is needed by others).
     send_timeout_s: float = Field(10.0, gt=0)
     log_level: str = "info"
+
+    # HTTP limits (server/http_guard.py): a longer request line gets 414, more or larger headers
+    # 431; a request whose head is not complete this long after connecting (or after the last
+    # response) gets 408, an idle connection is closed. Keep-alive: idle time between requests.
+    max_request_line_bytes: int = Field(16 * 1024, ge=1024, le=1 << 20)
+    max_header_bytes: int = Field(16 * 1024, ge=1024, le=1 << 20)
+    max_headers: int = Field(100, ge=8, le=1000)
+    http_request_timeout_s: float = Field(10.0, gt=0)
+    http_keepalive_timeout_s: float = Field(5.0, gt=0)
+    # Prompts stored with POST /api/prompts (for ?prompt_id=) live this long.
+    prompt_ttl_s: float = Field(600.0, gt=0)
+    # The 0x04 metadata's `instance_name` (the reference client shows it); empty = the host name.
+    instance_name: str = ""
+    # Another client build to serve at / instead of web/ (e.g. the reference client's dist/).
+    static: Path | None = None
+
+    @field_validator("static", mode="before")
+    @classmethod
+    def _empty_static_is_none(cls, value: object) -> object:
+        return None if value in ("", None) else value
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            max_request_line_bytes=self.max_request_line_bytes,
+            max_header_bytes=self.max_header_bytes,
+            max_headers=self.max_headers,
+            request_timeout_s=self.http_request_timeout_s,
+        )
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -118,14 +118,19 @@ class QueryError(ValueError):
 # A voice is a plain file name inside the server's voice directories: no separators, no `..`.
 _VOICE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _SEED_MAX = 2**63 - 1
+_HALF_SEED_MAX = 2**31 - 1  # text_seed and audio_seed each fill one half of the seed
+_INTEGER = re.compile(r"[+-]?\d{1,4000}")  # int() refuses more digits than 4300
 
 
 @dataclass(frozen=True)
 class ChatParams:
     """What a client may choose per session through the /api/chat query string.
 
-    Unknown parameters (the reference client also sends `pad_mult`, `text_seed`, ...) are ignored.
-    `seed` -1 or absent means a random seed.
+    Unknown parameters (the reference client also sends `pad_mult`, `repetition_penalty`, ...)
+    are ignored. `seed` -1 or absent means a random seed. The reference client sends no `seed`
+    but a `text_seed` and an `audio_seed`; our engine has one seed per session, so without `seed`
+    they become `text_seed * 2**32 + audio_seed` (each 0..2**31-1; -1 or absent counts as 0, and
+    both -1 or absent means random): the same pair always gives the same session.
     """
 
     text_prompt: str = ""
@@ -138,8 +143,13 @@ class ChatParams:
     greedy: bool = False
 
     @classmethod
-    def from_query(cls, query: Mapping[str, str], *, max_prompt_chars: int = 4000) -> ChatParams:
-        text_prompt = query.get("text_prompt", "") or ""
+    def from_query(
+        cls, query: Mapping[str, str], *, max_prompt_chars: int = 4000, text_prompt: str | None = None
+    ) -> ChatParams:
+        """`text_prompt`, when given, replaces the query's (a prompt the client stored with
+        POST /api/prompts and named by `prompt_id`)."""
+        if text_prompt is None:
+            text_prompt = query.get("text_prompt", "") or ""
         if len(text_prompt) > max_prompt_chars:
             raise QueryError(
                 f"text_prompt is too long ({len(text_prompt)} characters, at most {max_prompt_chars})"
@@ -149,11 +159,10 @@ class ChatParams:
         voice = (query.get("voice_prompt") or "").strip() or None
         if voice is not None and (not _VOICE_NAME.match(voice) or ".." in voice):
             raise QueryError(f"voice_prompt must be a voice name from /api/voices, got {voice[:80]!r}")
-        seed = _int(query, "seed", -1, _SEED_MAX)
         params = cls(
             text_prompt=text_prompt,
             voice_prompt=voice,
-            seed=None if seed is None or seed == -1 else seed,
+            seed=_seed(query),
             text_temperature=_float(query, "text_temperature"),
             text_topk=_int(query, "text_topk", 1, 100_000),
             audio_temperature=_float(query, "audio_temperature"),
@@ -228,9 +237,9 @@ def _float(query: Mapping[str, str], name: str) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise QueryError(f"{name} must be a number, got {raw[:40]!r}") from None
+        raise QueryError(f"{name} must be a number, got {_shown(raw)}") from None
     if not math.isfinite(value):
-        raise QueryError(f"{name} must be a finite number, got {raw[:40]!r}")
+        raise QueryError(f"{name} must be a finite number, got {_shown(raw)}")
     return value
 
 
@@ -238,14 +247,33 @@ def _int(query: Mapping[str, str], name: str, low: int, high: int) -> int | None
     raw = query.get(name)
     if raw is None or raw == "":
         return None
+    shown = _shown(raw)
     try:
         # Browsers' Number.toString gives "25" but some clients send "25.0": accept whole floats.
-        value = int(raw) if re.fullmatch(r"[+-]?\d{1,20}", raw) else _whole_float(raw)
+        value = int(raw) if _INTEGER.fullmatch(raw) else _whole_float(raw)
     except ValueError:
-        raise QueryError(f"{name} must be an integer, got {raw[:40]!r}") from None
+        raise QueryError(f"{name} must be an integer, got {shown}") from None
     if not low <= value <= high:
-        raise QueryError(f"{name} must be between {low} and {high}, got {value}")
+        # The client's own text, not `value`: "1e30" or 30 nines must come back as written.
+        raise QueryError(f"{name} must be between {low} and {high}, got {shown}")
     return value
+
+
+def _seed(query: Mapping[str, str]) -> int | None:
+    """`seed`, else the reference client's `text_seed` / `audio_seed` pair (see ChatParams)."""
+    if query.get("seed") not in (None, ""):
+        seed = _int(query, "seed", -1, _SEED_MAX)
+        return None if seed == -1 else seed
+    halves = [_int(query, name, -1, _HALF_SEED_MAX) for name in ("text_seed", "audio_seed")]
+    if all(h is None or h == -1 for h in halves):
+        return None
+    text_seed, audio_seed = (0 if h is None or h == -1 else h for h in halves)
+    return text_seed << 32 | audio_seed
+
+
+def _shown(raw: str, limit: int = 60) -> str:
+    """A client's value for an error message: exact, or cut with a note when very long."""
+    return raw if len(raw) <= limit else f"{raw[:limit]}... ({len(raw)} characters)"
 
 
 def _whole_float(raw: str) -> int:
@@ -261,4 +289,4 @@ def _bool(query: Mapping[str, str], name: str) -> bool:
         return False
     if raw in ("1", "true", "yes", "on"):
         return True
-    raise QueryError(f"{name} must be true or false, got {raw[:40]!r}")
+    raise QueryError(f"{name} must be true or false, got {_shown(raw)}")
