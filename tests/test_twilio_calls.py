@@ -1,13 +1,12 @@
 """Call control: outbound calls (endpoint and CLI), hang-ups when a session ends on the server,
-DTMF, status callbacks. Twilio's REST cloud is the one thing faked, at its HTTP boundary: a
-`twilio.http.HttpClient` that records requests and answers like the API. The server is the real
-app under a real uvicorn, in this process so the fake can be handed to it.
+DTMF, status callbacks. Twilio's REST cloud is the one thing faked, at its HTTP boundary
+(support_twilio.FakeTwilioCloud). The server is the real app under a real uvicorn, in this
+process so the fake can be handed to it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
@@ -17,9 +16,7 @@ import numpy as np
 import personaplex_twilio
 import pytest
 from personaplex_twilio.config import TwilioSettings
-from support_twilio import ACCOUNT_SID, TwilioSimulator, parse_stream_twiml, running_app
-from twilio.http import HttpClient
-from twilio.http.response import Response
+from support_twilio import ACCOUNT_SID, FakeTwilioCloud, TwilioSimulator, parse_stream_twiml, running_app
 
 from personaplex_voice.engine.loopback import LoopbackEngine
 from personaplex_voice.server.app import create_app
@@ -29,43 +26,6 @@ from personaplex_voice.sessions import SessionManager
 AUTH_TOKEN = "calls-test-auth-token"
 API_TOKEN = "calls-test-api-token"
 API = f"https://api.twilio.com/2010-04-01/Accounts/{ACCOUNT_SID}/Calls"
-
-
-@dataclass
-class Sent:
-    method: str
-    url: str
-    data: dict
-    auth: tuple | None
-
-
-class FakeTwilioCloud(HttpClient):
-    """Answers Calls create (201) and update (200) like api.twilio.com; records every request."""
-
-    def __init__(self) -> None:
-        super().__init__(logger=None, is_async=False)
-        self.requests: list[Sent] = []
-        self.created = 0
-
-    def request(self, method, uri, params=None, data=None, headers=None, auth=None, timeout=None, **kw):
-        self.requests.append(Sent(method, uri, dict(data or {}), auth))
-        path = urlsplit(uri).path
-        if method == "POST" and path.endswith("/Calls.json"):
-            self.created += 1
-            sid = "CA" + f"{self.created:032x}"
-            body = {"sid": sid, "account_sid": ACCOUNT_SID, "status": "queued", "to": data["To"]}
-            return Response(201, json.dumps(body))
-        if method == "POST" and "/Calls/CA" in path:
-            sid = path.rsplit("/", 1)[1].removesuffix(".json")
-            return Response(200, json.dumps({"sid": sid, "account_sid": ACCOUNT_SID, "status": "completed"}))
-        return Response(404, json.dumps({"code": 20404, "message": "not found", "status": 404}))
-
-    def hangups(self) -> list[str]:
-        return [
-            urlsplit(r.url).path.rsplit("/", 1)[1].removesuffix(".json")
-            for r in self.requests
-            if "/Calls/CA" in r.url and r.data.get("Status") == "completed"
-        ]
 
 
 @dataclass
