@@ -212,18 +212,19 @@ class ActionMatcher:
     def on_dtmf(self, digit: str) -> list[ActionRule]:
         return [self._fire(r) for r in self._dtmf if r.dtmf == digit and self._may_fire(r)]
 
-    def on_agent_text(self, piece: str) -> list[ActionRule]:
+    def on_agent_text(self, piece: str) -> list[tuple[ActionRule, str]]:
+        """The rules this piece of agent text fires, each with the phrase that matched."""
         if not self._text_rules:
             return []
         self._text = (self._text + piece)[-TEXT_WINDOW:]
-        fired: list[ActionRule] = []
+        fired: list[tuple[ActionRule, str]] = []
         end = 0
         for rule in self._text_rules:
             if not self._may_fire(rule):
                 continue
             match = rule.agent_text.search(self._text)  # type: ignore[union-attr]
             if match is not None:
-                fired.append(self._fire(rule))
+                fired.append((self._fire(rule), match.group(0).strip()))
                 end = max(end, match.end())
         if end:
             self._text = self._text[end:]  # that phrase is spent: no rule sees it again

@@ -335,8 +335,8 @@ class MediaStreamCall:
     def _on_agent_frame(self, out: Any) -> None:
         self.last_agent_pcm = out.pcm
         if out.text and self.call is not None:
-            for rule in self.call.agent_text(out.text, out.index, time.monotonic()):
-                self._act(rule, f"agent said {out.text.strip()!r}")
+            for rule, phrase in self.call.agent_text(out.text, out.index, time.monotonic()):
+                self._act(rule, f"agent said {phrase!r}")
 
     def _on_agent_sent(self, chunk: bytes, plays_at: float) -> None:
         if self.call is not None:
@@ -443,16 +443,16 @@ class MediaStreamCall:
                 await control.hang_up_async(self.call_sid)
         elif hang_up and self.call_sid:
             await control.hang_up_async(self.call_sid)
-        if connected:
-            with contextlib.suppress(Exception):
-                await self.ws.close(code=close_code, reason=reason[:100])
         self.services.registry.live.pop(self.stream_sid, None)
         metrics = self.metrics()
-        if call is not None:
+        if call is not None:  # before the socket closes: whoever saw the call end finds its record
             call.record.metrics = metrics
             self.services.registry.status(self.call_sid, "stream-ended")
             if not parked:
                 await call.finish(reason, metrics)
+        if connected:
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=close_code, reason=reason[:100])
         log.info(
             "twilio %s: call %s ended (%s) call_metrics=%s",
             self.stream_sid,

@@ -106,8 +106,9 @@ class PhoneCall:
         if self.recording is not None:
             self.recording.agent(ulaw, plays_at)
 
-    def agent_text(self, text: str, frame: int, now: float) -> list[ActionRule]:
-        """An agent text piece: into the transcript; returns the rules it fires."""
+    def agent_text(self, text: str, frame: int, now: float) -> list[tuple[ActionRule, str]]:
+        """An agent text piece: into the transcript; returns the rules it fires (with the
+        phrase that fired each)."""
         piece = {"t": round(now - (self.t0 or now), 3), "frame": frame, "text": text}
         if len(self.record.transcript) < MAX_TRANSCRIPT:
             self.record.transcript.append(piece)
