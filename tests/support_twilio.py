@@ -100,6 +100,8 @@ class SimulatedCall:
     close_code: int | None = None
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _sid_tail: str = ""  # `,"streamSid":"MZ…"}`, the end of every media message
+    keep_sent: bool = False  # keep every μ-law byte sent in `sent` (tests of recordings)
+    sent: bytearray = field(default_factory=bytearray)
 
     # --- sending, as Twilio does -----------------------------------------------------------
     def _next_seq(self) -> str:
@@ -123,6 +125,8 @@ class SimulatedCall:
             self.t0 = now
         self.chunk += 1
         self.seq += 1
+        if self.keep_sent:
+            self.sent += payload if isinstance(payload, bytes) else base64.b64decode(payload)
         if isinstance(payload, bytes):
             payload = base64.b64encode(payload).decode("ascii")
         text = _MEDIA_TEMPLATE % (self.seq, self.chunk, round((now - self.t0) * 1000), payload)

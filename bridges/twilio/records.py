@@ -238,8 +238,9 @@ class RecordStore:
             listing = list(os.scandir(self.root))
         except OSError:
             return 0
+        total = 0  # live calls' folders count toward the bound, but are never removed
         for entry in listing:
-            if not entry.is_dir() or not valid_sid(entry.name) or entry.name in keep:
+            if not entry.is_dir() or not valid_sid(entry.name):
                 continue
             size, newest = 0, 0.0
             with contextlib.suppress(OSError):
@@ -247,9 +248,10 @@ class RecordStore:
                     info = item.stat()
                     size += info.st_size
                     newest = max(newest, info.st_mtime)
-            entries.append((newest, size, Path(entry.path)))
+            total += size
+            if entry.name not in keep:
+                entries.append((newest, size, Path(entry.path)))
         entries.sort()  # oldest first
-        total = sum(size for _, size, _ in entries)
         removed = 0
         for newest, size, path in entries:
             if now - newest <= self.max_age_s and total <= self.max_bytes:
