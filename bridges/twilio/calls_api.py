@@ -6,6 +6,9 @@
 | `GET /twilio/calls/{sid}[?since=N]`     | one call's record (transcript from piece N on)         |
 | `GET /twilio/calls/{sid}/recording`     | its stereo WAV (caller left, agent right)              |
 | `GET /calls`                            | the calls page (web/calls.html; it asks for the key)   |
+
+The page and its two files are served here rather than by the server's web/ fallback, so the
+page is there even when `--static` serves another client at /.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .calls import MEDIA_STREAM_PATH, STATUS_PATH, VOICE_PATH, WHISPER_PATH
 from .records import valid_sid
 
 LIST_LIMIT = 100
+PAGE_FILES = {"calls.js": "text/javascript", "calls.css": "text/css"}
 
 
 def _unauthorized() -> JSONResponse:
@@ -88,10 +92,20 @@ class CallsApi:
         return FileResponse(path, media_type="audio/wav", filename=f"{call_sid}.wav")
 
     async def page(self, request: Request) -> Response:
+        return self._web_file("calls.html", "text/html")
+
+    async def page_file(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in PAGE_FILES:
+            return JSONResponse({"error": "not found"}, status_code=404)
+        return self._web_file(name, PAGE_FILES[name])
+
+    @staticmethod
+    def _web_file(name: str, media_type: str) -> Response:
         root = web_root()
-        if root is None or not (root / "calls.html").is_file():
+        if root is None or not (root / name).is_file():
             return JSONResponse({"error": "the web client is not installed"}, status_code=404)
-        return FileResponse(root / "calls.html", media_type="text/html")
+        return FileResponse(root / name, media_type=media_type, headers={"Cache-Control": "no-cache"})
 
 
 def build_router(bridge: TwilioBridge) -> APIRouter:
@@ -105,6 +119,7 @@ def build_router(bridge: TwilioBridge) -> APIRouter:
     router.add_api_route("/twilio/calls/{sid}", api.call, methods=["GET"])
     router.add_api_route("/twilio/calls/{sid}/recording", api.recording, methods=["GET"])
     router.add_api_route("/calls", api.page, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/calls/{name}", api.page_file, methods=["GET"], include_in_schema=False)
     router.add_api_websocket_route(MEDIA_STREAM_PATH + "/{ticket}", bridge.media_stream)
     router.add_api_websocket_route(MEDIA_STREAM_PATH, bridge.unticketed_stream)
     return router
