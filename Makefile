@@ -9,7 +9,7 @@ PORT ?= 8998
 # The CPU build of torch that this project is tested with; a plain `torch` would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install install-dev system-deps serve test lint bench
+.PHONY: install install-dev system-deps serve-deps serve test lint bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,7 +33,18 @@ system-deps:
 		if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi; \
 	else echo "system-deps: not root on Debian; install libopus0 chromium espeak-ng sox yourself"; fi
 
-serve: install
+# What `serve` needs from the system: libopus (the /api/chat audio codec). Installed when root on
+# Debian/Ubuntu, as `make test` does; otherwise one line says what to install.
+serve-deps:
+	@if $(PY) -c "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library('opus') else 1)"; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libopus0; \
+	else \
+		echo "make serve: libopus is missing: install libopus0 (Debian/Ubuntu: sudo apt-get install libopus0; macOS: brew install opus)"; \
+		exit 1; \
+	fi
+
+serve: serve-deps install
 	$(BIN)/personaplex-voice serve --model demo --host $(HOST) --port $(PORT)
 
 test: install-dev system-deps

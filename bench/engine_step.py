@@ -6,7 +6,12 @@ Measures, through the Engine protocol (what the session manager calls):
 - `frame_ms_b1` / `frame_ms_b8`: one `step` (Mimi encode + LM temporal and depth transformers +
   Mimi decode) with 1 and 8 active slots, median over the timed frames;
 - `prefill_ms`: `start` of the golden `pt_voice` persona (TINYF0.pt + "You enjoy having a good
-  conversation.", 60 prompt steps), median of a few runs.
+  conversation.", 60 prompt steps), median of a few runs;
+- `load_s`, `load_peak_rss_mb`: building the batch-1 engine (weights read, state allocated) and
+  the process's peak resident memory meanwhile (Linux: counted from just before the build);
+- `first_step_ms`: the first `step` of a call on an engine after `warmup()` (what a server's first
+  caller pays), `first_step_cold_ms` the same on an engine without warm-up; compare with
+  `frame_ms_b1`.
 The published code takes about 21 ms per frame and 0.89 s for that prompt on this machine's CPU
 with one thread (measured once by the lead; it cannot run in this venv). Ratios against those
 numbers are printed with the results. The last line is one JSON object.
@@ -29,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from personaplex_voice.engine.base import FRAME_SIZE, Persona, Sampling  # noqa: E402
 from personaplex_voice.engine.factory import build_engine  # noqa: E402
+from personaplex_voice.model.loaders import host_peak_rss_mb, reset_host_peak  # noqa: E402
 
 REFERENCE_FRAME_MS = 21.0
 REFERENCE_PREFILL_MS = 890.0
@@ -64,6 +70,20 @@ def time_steps(engine, frames: np.ndarray, warmup: int) -> tuple[float, float]:
     return 1000.0 * statistics.median(wall), 1000.0 * statistics.median(cpu)
 
 
+def first_step(engine, prepared, frame: np.ndarray) -> float:
+    """Milliseconds of the first `step` of a call started in slot 0 (the others idle)."""
+    engine.start(0, prepared)
+    batch = np.zeros((engine.num_slots, FRAME_SIZE), np.float32)
+    batch[0] = frame
+    active = np.zeros(engine.num_slots, dtype=bool)
+    active[0] = True
+    t0 = time.perf_counter()
+    engine.step(batch, active)
+    ms = 1000.0 * (time.perf_counter() - t0)
+    engine.release(0)
+    return ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,8 +104,14 @@ def main() -> None:
     )
     frames = user_frames(args.model, args.frames + args.warmup)
 
+    reset_host_peak()
+    t0 = time.perf_counter()
     engine = build_engine(args.model, num_slots=1, device=args.device)
+    load_s = time.perf_counter() - t0
+    load_peak_rss_mb = host_peak_rss_mb()
+    engine.warmup()
     prepared = engine.prepare(persona)
+    first_step_ms = first_step(engine, prepared, frames[0])
     prefill, prefill_cpu = [], []
     for _ in range(args.prefill_runs + 1):  # the first run warms up
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -102,6 +128,7 @@ def main() -> None:
     del engine
 
     engine = build_engine(args.model, num_slots=args.batch, device=args.device)
+    first_step_cold_ms = first_step(engine, prepared, frames[0])
     for slot in range(args.batch):
         engine.start(slot, prepared)
     frame_ms_b8, frame_cpu_b8 = time_steps(engine, frames, args.warmup)
@@ -118,6 +145,10 @@ def main() -> None:
         "frame_cpu_ms_b8": round(frame_cpu_b8, 3),
         "prefill_cpu_ms": round(prefill_cpu_ms, 2),
         "prompt_steps": prepared.prompt_steps,
+        "load_s": round(load_s, 3),
+        "load_peak_rss_mb": round(load_peak_rss_mb, 1),
+        "first_step_ms": round(first_step_ms, 3),
+        "first_step_cold_ms": round(first_step_cold_ms, 3),
         "threads": args.threads,
         "reference_frame_ms": REFERENCE_FRAME_MS,
         "reference_prefill_ms": REFERENCE_PREFILL_MS,

@@ -75,26 +75,19 @@ def main(argv: list[str] | None = None) -> None:
     # Warnings (e.g. "the demo model babbles") reach the terminal as one plain line each.
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        app(args=args, standalone_mode=False)
+        # Standalone mode: the CLI library itself answers usage errors (unknown option, bad
+        # value) with its short usage message and exit status 2, --help with exit 0.
+        app(args=args, prog_name="personaplex-voice", standalone_mode=True)
+    except SystemExit as exc:
+        if exc.code not in (0, None):  # standalone mode exits even on success: return then
+            raise
     except (UserError, EngineError) as exc:
         if debug:
             raise
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    except typer.Abort:
-        typer.echo("aborted", err=True)
-        sys.exit(130)
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as exc:  # click usage errors carry their own exit codes
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        raise
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ every command:
 
 from __future__ import annotations
 
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,6 +48,47 @@ DtypeOpt = Annotated[
     typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."),
 ]
 
+
+class PrefillMode(StrEnum):
+    parallel = "parallel"
+    stepwise = "stepwise"
+
+
+class QuantizeMode(StrEnum):
+    none = "none"
+    int8 = "int8"
+
+
+class KvDtype(StrEnum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+    float8 = "float8"
+
+
+PrefillOpt = Annotated[
+    PrefillMode,
+    typer.Option(
+        "--prefill",
+        help="How the system prompt is run: parallel (fast, the default) or stepwise (step by step "
+        "as published: reproduces the published bfloat16 run bit for bit).",
+    ),
+]
+QuantizeOpt = Annotated[
+    QuantizeMode,
+    typer.Option(
+        "--quantize", help="int8: the LM's linear weights as int8 rows (about half the memory of bfloat16)."
+    ),
+]
+KvDtypeOpt = Annotated[
+    KvDtype,
+    typer.Option(
+        "--kv-dtype",
+        help="The LM's KV cache: auto (the LM dtype), bfloat16, float16, float32, or float8 (half of "
+        "bfloat16: twice the calls in the same memory).",
+    ),
+]
 ThreadsOpt = Annotated[
     int,
     typer.Option(
@@ -84,6 +126,36 @@ def parse_dtype(name: str | None) -> Any:
     if name not in table:
         raise UserError(f"--dtype {name}: choose one of auto, {', '.join(table)}")
     return table[name]
+
+
+def parse_kv_dtype(name: str | None) -> Any:
+    """`--kv-dtype` to a torch dtype; None for auto (the LM's own dtype)."""
+    if name is None or name == "auto":
+        return None
+    import torch
+
+    table = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float8": torch.float8_e4m3fn,
+    }
+    if name not in table:
+        raise UserError(f"--kv-dtype {name}: choose one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def engine_options(prefill: str | Enum, quantize: str | Enum, kv_dtype: str | Enum) -> dict[str, Any]:
+    """`--prefill`, `--quantize` and `--kv-dtype` as `build_engine` keywords."""
+
+    def value(option: str | Enum) -> str:
+        return str(option.value if isinstance(option, Enum) else option)
+
+    return {
+        "prefill": value(prefill),
+        "quantize": None if value(quantize) == "none" else value(quantize),
+        "kv_dtype": parse_kv_dtype(value(kv_dtype)),
+    }
 
 
 def configure_threads(threads: int, engine: Any) -> None:

@@ -24,13 +24,20 @@ from personaplex_voice.cli_options import (
     DEFAULT_MODEL,
     DeviceOpt,
     DtypeOpt,
+    KvDtype,
+    KvDtypeOpt,
     MimiWeightOpt,
     ModelOpt,
     MoshiWeightOpt,
+    PrefillMode,
+    PrefillOpt,
+    QuantizeMode,
+    QuantizeOpt,
     ThreadsOpt,
     TokenizerOpt,
     VoiceDirOpt,
     configure_threads,
+    engine_options,
     parse_dtype,
     source_overrides,
 )
@@ -76,7 +83,7 @@ def run_offline(
             frames_in[slot] = padded[i * FRAME_SIZE : (i + 1) * FRAME_SIZE]
             out = engine.step(frames_in, active)
             out_pcm[i * FRAME_SIZE : (i + 1) * FRAME_SIZE] = out.pcm[slot]
-            token = None if out.text_tokens is None else int(out.text_tokens[slot])
+            token = None if out.tokens is None else int(out.tokens[slot, 0])
             pieces.append(_piece_for_output(out.text[slot], token))
             if on_frame is not None:
                 on_frame(i)
@@ -168,6 +175,9 @@ def offline(
     topk_text: Annotated[int, typer.Option("--topk-text", help="Text top-k.")] = 25,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    prefill: PrefillOpt = PrefillMode.parallel,
+    quantize: QuantizeOpt = QuantizeMode.none,
+    kv_dtype: KvDtypeOpt = KvDtype.auto,
     threads: ThreadsOpt = 0,
     moshi_weight: MoshiWeightOpt = None,
     mimi_weight: MimiWeightOpt = None,
@@ -195,6 +205,7 @@ def offline(
         num_slots=1,
         device=device,
         dtype=parse_dtype(dtype),
+        **engine_options(prefill, quantize, kv_dtype),
         **source_overrides(moshi_weight, mimi_weight, tokenizer, voice_dir),
     )
     configure_threads(threads, engine)

@@ -44,11 +44,18 @@ def list_voices(
 ) -> None:
     """Print the voices a client may name: one per line, name, kind (embeddings/audio), source."""
     from personaplex_voice.engine.voices import VoiceLibrary
-    from personaplex_voice.model.sources import resolve_voice_dirs
+    from personaplex_voice.model.sources import DEMO, resolve_voice_dirs
 
-    dirs = resolve_voice_dirs(model, voice_prompt_dir=voice_prompt_dir)
-    source = "voice-dir" if voice_prompt_dir is not None else "model"
-    voices = VoiceLibrary(list(dirs), source=source).list()
+    if model == DEMO and voice_prompt_dir is None:
+        # The demo's voices are made with the demo model at its first build (a second or so).
+        from personaplex_voice.engine.factory import build_engine
+
+        demo = build_engine(DEMO)
+        dirs, voices = tuple(demo.files.voice_dirs), list(demo.voices())
+    else:
+        dirs = resolve_voice_dirs(model, voice_prompt_dir=voice_prompt_dir)
+        source = "voice-dir" if voice_prompt_dir is not None else "model"
+        voices = VoiceLibrary(list(dirs), source=source).list()
     if not voices:
         typer.echo(f"no voices in {', '.join(str(d) for d in dirs)}", err=True)
         return

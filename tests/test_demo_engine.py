@@ -47,29 +47,48 @@ def test_demo_weights_are_seeded_and_leave_the_callers_rng_alone() -> None:
     assert torch.equal(torch.random.get_rng_state(), before)
     torch.manual_seed(2)  # a different global seed must not change the demo's weights
     second = build_engine("demo")
-    pcm_a, text_a = _run(first, "DEMOF0.wav")
-    pcm_b, text_b = _run(second, "DEMOF0.wav")
+    pcm_a, text_a = _run(first, "NATF0.pt")
+    pcm_b, text_b = _run(second, "NATF0.pt")
     np.testing.assert_array_equal(pcm_a, pcm_b)
     assert text_a == text_b
     assert np.isfinite(pcm_a).all()
 
 
-def test_demo_lists_and_uses_both_voices(engine) -> None:
-    names = {v.name for v in engine.voices()}
-    assert {n.split(".")[0] for n in names} >= {"DEMOF0", "DEMOM0"}
+PUBLISHED_VOICES = [f"NATF{i}.pt" for i in range(4)] + [f"NATM{i}.pt" for i in range(4)]
+PUBLISHED_VOICES += [f"VARF{i}.pt" for i in range(5)] + [f"VARM{i}.pt" for i in range(5)]
+
+
+def test_demo_answers_to_the_published_voice_names_as_demo_voices(engine) -> None:
+    voices = engine.voices()
+    assert sorted(v.name for v in voices) == sorted(PUBLISHED_VOICES)
+    assert {(v.kind, v.source) for v in voices} == {("embeddings", "demo")}
     logits = []
-    for prefix in ("DEMOF0", "DEMOM0"):
-        _run(engine, next(n for n in names if n.startswith(prefix)), frames=1)
+    for name in ("NATF0.pt", "NATM3.pt", "VARF4"):  # with or without the suffix, as clients send
+        _run(engine, name, frames=1)
         logits.append(engine.last_text_logits.copy())
-    assert not np.allclose(logits[0], logits[1])  # the voice prompt reaches the model
+    assert not np.allclose(logits[0], logits[1]) and not np.allclose(logits[1], logits[2])
+
+
+def test_demo_voices_are_made_once_and_identically(tmp_path: Path) -> None:
+    first = build_engine("demo")
+    folder = first.files.voice_dirs[0]
+    stamps = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    assert sorted(stamps) == sorted(PUBLISHED_VOICES)
+    build_engine("demo")  # a second build finds them and writes nothing
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PERSONAPLEX_CACHE", str(tmp_path / "elsewhere"))
+        other = build_engine("demo").files.voice_dirs[0]
+    for name in ("NATF2.pt", "VARM0.pt"):
+        assert (other / name).read_bytes() == (folder / name).read_bytes()
 
 
 def test_demo_codec_answers_at_speech_level(engine) -> None:
     """The random codec is tuned: inputs map to varied codes, output is audible and has no DC."""
-    pcm, _ = _run(engine, "DEMOF0.wav", frames=6)
+    pcm, _ = _run(engine, "NATF0.pt", frames=6)
     assert 0.02 < float(pcm.std()) < 0.5
     assert abs(float(pcm.mean())) < 0.01
-    from personaplex_voice.engine.demo import synthetic_voice
+    from personaplex_voice.model.random_init import synthetic_voice
 
     codes = engine.encode_audio(synthetic_voice(150.0, seconds=1.0))
     assert len({tuple(row) for row in codes.tolist()}) > codes.shape[0] // 2
@@ -77,8 +96,9 @@ def test_demo_codec_answers_at_speech_level(engine) -> None:
 
 def test_a_mimi_without_weights_is_a_reproducible_toy_codec() -> None:
     """The model layer tunes any weightless Mimi itself: no engine, no demo code involved."""
-    from personaplex_voice.engine.demo import demo_config, synthetic_voice
+    from personaplex_voice.model.demo import demo_config
     from personaplex_voice.model.loaders import load_mimi
+    from personaplex_voice.model.random_init import synthetic_voice
     from personaplex_voice.model.streaming import StepContext
 
     cfg = demo_config()

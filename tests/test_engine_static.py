@@ -8,7 +8,6 @@ from support_engine import persona, user_frames
 
 from personaplex_voice.engine.base import FRAME_SIZE
 from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
-from personaplex_voice.engine.graphs import GraphedStep
 
 torch.set_num_threads(1)
 
@@ -44,7 +43,7 @@ def test_static_buffer_path_matches_golden(golden_dir):
     slots selecting the argmax) gives the golden tokens, next to a sampling neighbour."""
     expected = np.load(golden_dir / "expected.npz")
     engine = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=2)
-    engine._graphs = GraphedStep(engine, use_cuda_graph=False)
+    engine.use_static_tick(cuda_graph=False)
     from personaplex_voice.engine.base import Persona, Sampling
 
     engine.start(

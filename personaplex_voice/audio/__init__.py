@@ -1,9 +1,10 @@
 """Transport audio, pure numpy DSP (no torch, no sockets): G.711 μ-law, a low-delay streaming
-resampler, the Ogg-Opus stream codec, re-framing helpers and file I/O."""
+resampler, the Ogg-Opus stream codec (libopus loaded at first use), re-framing helpers and file I/O."""
 
 from .framing import ChunkBuffer, FrameBuffer
 from .mulaw import ulaw_decode, ulaw_encode
 from .opus import OggError, OggOpusReader, OggOpusWriter
+from .opus_library import OpusUnavailableError, require_opus
 from .resample import StreamingResampler
 
 # The one-shot `resample` function stays in `audio.resample` (not re-exported here): a package
@@ -15,7 +16,9 @@ __all__ = [
     "OggError",
     "OggOpusReader",
     "OggOpusWriter",
+    "OpusUnavailableError",
     "StreamingResampler",
+    "require_opus",
     "ulaw_decode",
     "ulaw_encode",
 ]

@@ -30,14 +30,10 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
-import opuslib
-import opuslib.api
-import opuslib.api.ctl
-import opuslib.api.decoder
-import opuslib.api.encoder
 
 from .budget import DecodeBudget, DecodeBudgetExceeded
 from .framing import FrameBuffer
+from .opus_library import opuslib  # libopus is loaded at first use, not at import
 
 __all__ = ["OPUS_RATES", "OggError", "OggOpusReader", "OggOpusWriter", "OpusHead", "ogg_crc"]
 

@@ -139,8 +139,9 @@ class StepOutput:
 
     pcm: np.ndarray  # float32 [num_slots, FRAME_SIZE]
     text: list[str | None]  # text piece per slot; None for padding / inactive slots
-    text_tokens: np.ndarray | None = None  # int64 [num_slots] when the engine has them
-    audio_tokens: np.ndarray | None = None  # int64 [num_slots, n_codebooks] when the engine has them
+    # int64 [num_slots, 1 + n_codebooks] when the engine has them: per slot the text token, then
+    # the agent's audio tokens (the codes `pcm` was decoded from).
+    tokens: np.ndarray | None = None
 
 
 class Engine(Protocol):
@@ -186,3 +187,8 @@ class Engine(Protocol):
 
     def release(self, slot: int) -> None:
         """Free the slot (drop references to per-call data); the slot may be started again."""
+
+    def warmup(self) -> None:
+        """Run once, before the first caller, whatever the first prefill and the first ticks
+        would pay for (kernel selection, allocator growth, CUDA-graph capture); every slot is
+        left as fresh as before. May do nothing (an engine with nothing to warm)."""

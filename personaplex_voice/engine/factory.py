@@ -59,18 +59,20 @@ def build_engine(
 
     from personaplex_voice.engine.generator import PersonaPlexEngine
 
-    try:
-        if not files.is_demo:
-            return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
-        from personaplex_voice.engine.demo import DEMO_NOTICE, seeded_weights
+    if files.is_demo:
+        from personaplex_voice.model.demo import DEMO_NOTICE
 
         log.warning(DEMO_NOTICE)
-        # Random init under a fixed seed: the demo babbles the same way on every start.
-        with seeded_weights(device):
-            return PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
+    try:
+        built = PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
     except (ValueError, TypeError) as exc:
         # The engine refuses a config or an option (other frame rate, unknown keyword...).
         raise UserError(f"cannot run model {files.name}: {exc}") from None
+    if files.is_demo:
+        from personaplex_voice.engine.demo_voices import ensure_demo_voices
+
+        ensure_demo_voices(built)
+    return built
 
 
 def resolve_device(device: str) -> str:

@@ -6,18 +6,21 @@ text token and the depth transformer's audio tokens, read the output row (one st
 Mimi-decode the agent codebooks. Inactive slots are computed (static shapes) but their state is
 never touched (exec mask).
 
-`start` runs a persona's system prompt into a slot. Every prompt token is forced, so the
-transformer sees a fixed sequence of input embeddings: by default (`prefill="parallel"`) the
-whole prompt is one transformer forward over all its positions; `prefill="stepwise"` replays it
-step by step through the same code path as `step` (the published behaviour, kept for tests and
-benchmarks). Greedy float32 outputs equal the published implementation token for token.
+`start` / `begin_start` run a persona's system prompt into a slot (planned by
+`engine/prompt_plan.py`, run chunk by chunk by `engine/prefill.py`): by default
+(`prefill="parallel"`) as transformer forwards over many prompt positions at once;
+`prefill="stepwise"` replays it step by step through the same code path as `step`, the
+published behaviour (bit for bit the published bfloat16 run too). Greedy float32 outputs equal
+the published implementation token for token either way. `warmup()` runs all of it once before
+the first caller. Voices are made by `engine/voice_maker.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,18 +34,23 @@ from personaplex_voice.engine.base import (
     Persona,
     PersonaError,
     PreparedPersona,
+    Sampling,
     SlotError,
     SlotPrefill,
     StepOutput,
     VoiceInfo,
 )
-from personaplex_voice.engine.prompts import PAD_ID, TextTokenizer, wrap_system_prompt
+from personaplex_voice.engine.graphs import CUDAGraphed
+from personaplex_voice.engine.prefill import ParallelPrefill, StepwisePrefill
+from personaplex_voice.engine.prompt_plan import PromptPlan, PromptPlanner
+from personaplex_voice.engine.prompts import TextTokenizer, wrap_system_prompt
 from personaplex_voice.engine.sampling import SlotSampler
 from personaplex_voice.engine.tokens import RingSlot, TokenRing
-from personaplex_voice.engine.voices import VoiceLibrary, load_voice_audio, load_voice_pt, normalize_loudness
+from personaplex_voice.engine.voice_maker import encode_audio, make_voice
+from personaplex_voice.engine.voices import VoiceLibrary, load_voice_audio, load_voice_pt
 from personaplex_voice.errors import UserError
 from personaplex_voice.model.lm import LMModel
-from personaplex_voice.model.loaders import default_lm_dtype, load_lm, load_mimi
+from personaplex_voice.model.loaders import LoadStats, default_lm_dtype, load_models
 from personaplex_voice.model.mimi import Mimi
 from personaplex_voice.model.streaming import StepContext, StreamState, reset_slot, state_nbytes
 
@@ -51,10 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Forced codes of the system prompt (published values for the 8-codebook Mimi).
-SILENCE_TOKENS = [948, 243, 1178, 546, 1736, 1030, 1978, 2008]
-SINE_TOKENS = [430, 1268, 381, 1611, 1095, 1495, 56, 472]
-SILENCE_SECONDS = 0.5
 DEFAULT_VOICE = "NATF2.pt"
 PREFILL_MODES = ("parallel", "stepwise")
 AUDIO_VOICE_CACHE = 32  # encoded audio voices kept
@@ -63,31 +67,12 @@ COMPACT_MAX_SLOT_BYTES = 64 * 2**20
 # ticks while the next tick is not due, so a long prompt never holds up the running calls.
 PREFILL_CHUNK = 64
 PREFILL_CHUNK_STEPS = 4  # stepwise prefill: generator steps per chunk
-
-
-@dataclass
-class PromptPlan:
-    """A persona's system prompt as generator steps, and the token ring after it.
-
-    `step_values` [S, K]: the tokens forced at each step; `replay` [M, dim]: stored voice
-    embeddings fed (instead of the embedded input column) to the first M model runs;
-    `run_tokens` [R, K]: the input column of every other model run; `after_replay`: the token
-    cache a `.pt` voice restores after its replay; `final`: the ring after the whole prompt.
-    """
-
-    step_values: torch.Tensor
-    replay: torch.Tensor | None
-    after_replay: torch.Tensor | None
-    run_tokens: torch.Tensor
-    final: RingSlot
-
-    @property
-    def steps(self) -> int:
-        return int(self.step_values.shape[0])
-
-    @property
-    def model_runs(self) -> int:
-        return self.final.offset - 1
+# What `warmup` runs: a prompt of a few chunks, then ticks with one caller (sampling, then greedy).
+WARMUP_PROMPT = (
+    "You are a friendly assistant on a phone line. Greet the caller, listen, and answer their "
+    "questions briefly and clearly. This prompt only warms the engine up before the first call."
+)
+WARMUP_TICKS = 3
 
 
 @dataclass
@@ -119,10 +104,12 @@ class EngineSnapshot:
 class PersonaPlexEngine:
     """The `Engine` of personaplex_voice.engine.base on the real model.
 
-    Options: `prefill` "parallel" (default) or "stepwise"; `keep_prompt` pins the system prompt's
-    KV entries past the context (opt-in, see docs/engine.md); `capture_logits` keeps the last
-    step's text and depformer logits in `last_text_logits` / `last_audio_logits` (tests);
-    `cuda_graphs` captures the batched step as CUDA graphs (CUDA only); `compile` wraps the LM
+    Options: `prefill` "parallel" (default) or "stepwise"; `quantize` "int8" keeps the LM's linear
+    weights as int8 rows (`model/quant.py`); `kv_dtype` the LM's KV-cache dtype (default: the LM
+    dtype; `torch.float8_e4m3fn` halves it); `keep_prompt` pins the system prompt's KV entries
+    past the context (opt-in, see docs/engine.md); `capture_logits` keeps the last step's text and
+    depformer logits in `last_text_logits` / `last_audio_logits` (tests); `cuda_graphs` replays
+    the batched step as a CUDA graph (None = on CUDA, unless `compile`); `compile` wraps the LM
     step with torch.compile; `models` = (mimi, lm) reuses loaded modules instead of loading;
     `prefill_chunk` / `prefill_chunk_steps`: the size of one `begin_start` chunk.
     """
@@ -138,9 +125,11 @@ class PersonaPlexEngine:
         dtype: torch.dtype | None = None,
         *,
         prefill: str = "parallel",
+        quantize: str | None = None,
+        kv_dtype: torch.dtype | None = None,
         keep_prompt: bool = False,
         capture_logits: bool = False,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         compile: bool = False,
         models: tuple[Mimi, LMModel] | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
@@ -155,7 +144,6 @@ class PersonaPlexEngine:
         self.cfg = files.config
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self.dtype = dtype or default_lm_dtype(self.device)
         self.prefill = prefill
         self.prefill_chunk = prefill_chunk
         self.prefill_chunk_steps = prefill_chunk_steps
@@ -164,32 +152,29 @@ class PersonaPlexEngine:
         if self.cfg.frame_size != FRAME_SIZE or self.cfg.sample_rate != SAMPLE_RATE:
             raise ValueError("the engine runs 24 kHz audio in 80 ms frames")
 
+        self.load_stats: LoadStats | None = None
         if models is not None:  # share already loaded modules (several engines, benchmarks)
             self.mimi, self.lm = models
-            self.dtype = next(self.lm.parameters()).dtype
         else:
-            self.mimi = load_mimi(self.cfg, files.mimi_weights, self.device)
-            self.lm = load_lm(self.cfg, files.lm_weights, self.device, self.dtype)
+            dtype = dtype or default_lm_dtype(self.device)
+            self.mimi, self.lm, self.load_stats = load_models(files, self.device, dtype, quantize=quantize)
+        self.dtype = self.lm.dtype
         self.tokenizer = TextTokenizer(files.tokenizer)
-        self.voice_library = VoiceLibrary(list(files.voice_dirs), source="model")
+        self.voice_library = VoiceLibrary(list(files.voice_dirs), source=files.voice_source)
+        self.planner = PromptPlanner(self.cfg)
 
         lm_cfg = self.cfg.lm
         self.n_audio = self.cfg.mimi.num_codebooks
         self.K = lm_cfg.num_streams
         self.dep_q = lm_cfg.dep_q
-        if len(SILENCE_TOKENS) != self.n_audio:
-            raise ValueError("the system prompt's forced codes are defined for 8 Mimi codebooks")
-        self.silence_steps = int(SILENCE_SECONDS * self.cfg.frame_rate)
-        initial = [lm_cfg.text_card] + [lm_cfg.card] * lm_cfg.n_q
-
-        self.lm_state: StreamState = self.lm.init_state(num_slots)
+        self.lm.set_kv_dtype(kv_dtype)
+        self.lm_state: StreamState = self.lm.init_state(num_slots, self.device)
         self.mimi_state: StreamState = self.mimi.init_state(num_slots)
         self._mimi_fresh: StreamState = self.mimi.init_state(1)
-        self.ring = TokenRing(num_slots, list(lm_cfg.delays), initial, self.dep_q, self.device)
+        self.ring = TokenRing(num_slots, list(lm_cfg.delays), self.planner.initial, self.dep_q, self.device)
         self.sampler = SlotSampler(
             num_slots, self.lm.text_linear.out_features, lm_cfg.card, self.dep_q, self.device
         )
-        self._initial_tokens = initial
         self._started = [False] * num_slots
         # Mimi codes of audio voices by (path, mtime, size): encoding one costs ~0.1 s on CPU.
         self._audio_voice_codes: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -205,17 +190,32 @@ class PersonaPlexEngine:
         # its cost follows the active calls; not for big per-slot states (the 7B KV cache).
         slot_bytes = state_nbytes(self.lm_state) // num_slots
         self._compact = self.device.type == "cpu" and slot_bytes <= COMPACT_MAX_SLOT_BYTES and not compile
-        self._graphs: Any = None
         if compile:
             self._lm_forward = torch.compile(self.lm.forward_embeddings, dynamic=False)
         else:
             self._lm_forward = self.lm.forward_embeddings
+        self._graphed: CUDAGraphed | None = None
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and not compile
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise UserError("cuda_graphs needs a CUDA device")
-            from personaplex_voice.engine.graphs import GraphedStep
+            self.use_static_tick(cuda_graph=True)
 
-            self._graphs = GraphedStep(self)
+    def use_static_tick(self, cuda_graph: bool) -> None:
+        """Run every tick from static buffers with the sampling math always on (what a CUDA
+        graph needs); `cuda_graph=False` runs that path eagerly (CPU tests)."""
+        self.sampler.always_full = True
+        B, device = self.num_slots, self.device
+
+        def idle() -> tuple[torch.Tensor, torch.Tensor]:  # no slot active: the capture changes nothing
+            return torch.zeros(B, FRAME_SIZE, device=device), torch.zeros(B, dtype=torch.bool, device=device)
+
+        self._graphed = CUDAGraphed(
+            lambda pcm, active: self._step_tensors(self._full, pcm, active, True),
+            idle_args=idle,
+            enabled=cuda_graph,
+        )
 
     # ---------------------------------------------------------------- personas
 
@@ -240,10 +240,8 @@ class PersonaPlexEngine:
             voice_key = (str(path), stat.st_mtime_ns, stat.st_size)
             if path.suffix.lower() == ".pt":
                 replay, cache_after = load_voice_pt(path)
-                if replay.shape[-1] != self.cfg.lm.dim or tuple(cache_after.shape[1:]) != (
-                    self.K,
-                    self.ring.C,
-                ):
+                expected = (self.K, self.planner.ring_positions)
+                if replay.shape[-1] != self.cfg.lm.dim or tuple(cache_after.shape[1:]) != expected:
                     raise PersonaError(f"voice {voice!r} was made for another model")
                 replay = replay.reshape(replay.shape[0], -1)
             else:
@@ -255,7 +253,7 @@ class PersonaPlexEngine:
                     self._audio_voice_codes[voice_key] = voice_codes
         text = wrap_system_prompt(persona.text_prompt)
         text_tokens = self.tokenizer.encode(text) if text else []
-        plan = self._plan(voice_codes, replay, cache_after, text_tokens)
+        plan = self.planner.plan(voice_codes, replay, cache_after, text_tokens)
         if plan.model_runs >= self.cfg.lm.context:
             raise PersonaError(
                 f"system prompt too long: {plan.steps} steps, the model's context is {self.cfg.lm.context}"
@@ -267,69 +265,13 @@ class PersonaPlexEngine:
             payload=plan,
         )
 
-    @torch.no_grad()
     def encode_audio(self, pcm: np.ndarray) -> torch.Tensor:
         """Streaming Mimi codes [frames, num_codebooks] of 24 kHz audio (last frame zero-padded)."""
-        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
-        frames = max(1, -(-pcm.size // FRAME_SIZE))
-        padded = np.zeros(frames * FRAME_SIZE, dtype=np.float32)
-        padded[: pcm.size] = pcm
-        ctx = StepContext(self.mimi.init_state(1))
-        x = torch.from_numpy(padded).to(self.device).view(frames, 1, FRAME_SIZE)
-        codes = [self.mimi.encode(x[i : i + 1], ctx)[0, :, 0] for i in range(frames)]
-        return torch.stack(codes).cpu()
+        return encode_audio(self.mimi, pcm)
 
-    def _prompt_values(
-        self, voice_codes: torch.Tensor | None, n_replay: int, text_tokens: list[int]
-    ) -> torch.Tensor:
-        card = self.cfg.lm.card
-        rows: list[list[int]] = []
-        if n_replay:
-            # A stored voice replays embeddings; the steps force placeholder tokens (as published).
-            rows += [[PAD_ID] + [card] * (2 * self.n_audio)] * (n_replay + 1)
-        if voice_codes is not None:
-            rows += [[PAD_ID, *c, *SINE_TOKENS] for c in voice_codes.tolist()]
-        silence = [[PAD_ID, *SILENCE_TOKENS, *SINE_TOKENS]] * self.silence_steps
-        rows += silence + [[t, *SILENCE_TOKENS, *SINE_TOKENS] for t in text_tokens] + silence
-        return torch.tensor(rows, dtype=torch.long)
-
-    def _plan(
-        self,
-        voice_codes: torch.Tensor | None,
-        replay: torch.Tensor | None,
-        cache_after: torch.Tensor | None,
-        text_tokens: list[int],
-    ) -> PromptPlan:
-        """Simulate the prompt on a batch-1 token ring (no model): forced tokens only."""
-        n_replay = 0 if replay is None else int(replay.shape[0])
-        values = self._prompt_values(voice_codes, n_replay, text_tokens)
-        ring = self._new_plan_ring()  # per call: prepare() may run in worker threads
-        given = torch.ones(1, self.K, dtype=torch.bool)
-        run_tokens = []
-        for i, row in enumerate(values):
-            ring.write_given(row[None], given, None)
-            if int(ring.offset[0]) == 0:
-                ring.first_step(0)
-                continue
-            inp, target, provided = ring.model_io()
-            if not bool(provided.all()):
-                raise EngineError("internal: a system prompt step left a stream unforced")
-            if i > n_replay:
-                run_tokens.append(inp[0])
-            ring.commit(target[:, 0], target[:, 1 : self.dep_q + 1], provided, None)
-            if n_replay and i == n_replay:
-                assert cache_after is not None
-                ring.cache[0] = cache_after[0]
-        return PromptPlan(
-            step_values=values,
-            replay=replay,
-            after_replay=None if cache_after is None else cache_after[0].clone(),
-            run_tokens=torch.stack(run_tokens) if run_tokens else torch.zeros(0, self.K, dtype=torch.long),
-            final=ring.read(0),
-        )
-
-    def _new_plan_ring(self) -> TokenRing:
-        return TokenRing(1, list(self.cfg.lm.delays), self._initial_tokens, self.dep_q, torch.device("cpu"))
+    def make_voice(self, audio_24k: np.ndarray, normalized: bool = False) -> dict[str, torch.Tensor]:
+        """The published `.pt` voice of an audio prompt (see `voice_maker.make_voice`)."""
+        return make_voice(self.mimi, self.lm, self.planner, audio_24k, normalized)
 
     # ---------------------------------------------------------------- slots
 
@@ -360,15 +302,28 @@ class PersonaPlexEngine:
         if self.keep_prompt:
             self.lm_state["transformer:pin"][slot] = plan.model_runs
         if self.prefill == "parallel":
-            return _ParallelPrefill(self, slot, prepared)
-        return _StepwisePrefill(self, slot, prepared)
+
+            def run_positions(inputs: torch.Tensor) -> None:
+                ctx = StepContext({k: v[slot : slot + 1] for k, v in self.lm_state.items()})
+                self.lm.transformer(inputs[None], ctx)
+
+            def finish_parallel() -> None:
+                self.ring.load(slot, plan.final)
+                self._finish_start(slot, prepared)
+
+            return ParallelPrefill(
+                self._prompt_inputs(plan), run_positions, finish_parallel, self.prefill_chunk
+            )
+        return StepwisePrefill(
+            plan.steps,
+            lambda i: self._prompt_step(slot, plan, i),
+            lambda: self._finish_start(slot, prepared),
+            self.prefill_chunk_steps,
+        )
 
     def _finish_start(self, slot: int, prepared: PreparedPersona) -> None:
         self.sampler.configure(slot, prepared.persona.sampling, self._seed(prepared.persona))
         self._started[slot] = True
-
-    def _slot_ctx(self, slot: int) -> StepContext:
-        return StepContext({k: v[slot : slot + 1] for k, v in self.lm_state.items()})
 
     def _prompt_inputs(self, plan: PromptPlan) -> torch.Tensor | None:
         """The input embeddings of every model run of the prompt [P, dim] (None for none)."""
@@ -391,7 +346,7 @@ class PersonaPlexEngine:
         if int(self.ring.offset[slot]) == 0:
             self.ring.first_step(slot)
             return
-        n_replay = 0 if plan.replay is None else plan.replay.shape[0]
+        n_replay = plan.replay_steps
         replaying = plan.replay is not None and i <= n_replay
         override = None
         if replaying:
@@ -432,6 +387,48 @@ class PersonaPlexEngine:
         self._check_slot(slot)
         self.sampler.release(slot)
         self._started[slot] = False
+
+    # ---------------------------------------------------------------- warm-up
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """Run once everything the first call's prefill and ticks would run (kernel selection,
+        allocator growth, CUDA-graph capture), then leave every slot as fresh as before.
+
+        A chunked prefill of a text prompt into slot 0, then ticks with slot 0 the only caller,
+        first sampling, then greedy (the two tick paths).
+        """
+        started = time.perf_counter()
+        if self._graphed is not None:  # capture first, before any slot runs
+            self._graphed.warm(*self._idle_inputs())
+        plan = self.planner.plan(None, None, None, self.tokenizer.encode(wrap_system_prompt(WARMUP_PROMPT)))
+        persona = Persona(text_prompt=WARMUP_PROMPT, sampling=Sampling(), seed=0)
+        prepared = PreparedPersona(
+            persona=persona, cache_key=("warmup",), prompt_steps=plan.steps, payload=plan
+        )
+        slot = 0
+        job = self.begin_start(slot, prepared)
+        while not job.run_chunk():
+            pass
+        pcm = np.zeros((self.num_slots, FRAME_SIZE), np.float32)
+        pcm[slot] = 0.05 * np.sin(np.arange(FRAME_SIZE) * (2 * np.pi * 220 / SAMPLE_RATE))
+        active = np.zeros(self.num_slots, dtype=bool)
+        active[slot] = True
+        for sampling in (persona.sampling, replace(persona.sampling, greedy=True)):
+            self.sampler.configure(slot, sampling, 0)
+            for _ in range(WARMUP_TICKS):
+                self.step(pcm, active)
+        self._reset_slot(slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("engine warmed up in %.2f s (%d slots)", time.perf_counter() - started, self.num_slots)
+
+    def _idle_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B = self.num_slots
+        return (
+            torch.zeros(B, FRAME_SIZE, device=self.device),
+            torch.zeros(B, dtype=torch.bool, device=self.device),
+        )
 
     # ---------------------------------------------------------------- the tick
 
@@ -484,8 +481,10 @@ class PersonaPlexEngine:
         if not np.isfinite(pcm).all():  # a bad client must not poison its slot's state with NaN
             pcm = np.nan_to_num(pcm, nan=0.0, posinf=1.0, neginf=-1.0)
         sampling = self.sampler.draw_noise(active_np.tolist())
-        if self._graphs is not None:
-            out, pcm_out = self._graphs.run(pcm, active_np)
+        if self._graphed is not None:
+            out, pcm_out = self._graphed(
+                torch.from_numpy(pcm).to(self.device), torch.from_numpy(active_np).to(self.device)
+            )
         elif self._compact and not active_np.all():
             out, pcm_out = self._step_compacted(pcm, np.flatnonzero(active_np), sampling)
         else:
@@ -502,8 +501,7 @@ class PersonaPlexEngine:
         return StepOutput(
             pcm=pcm_out.cpu().numpy().astype(np.float32, copy=False),
             text=text,
-            text_tokens=tokens[:, 0].copy(),
-            audio_tokens=tokens[:, 1 : 1 + self.n_audio].copy(),
+            tokens=tokens[:, : 1 + self.n_audio].astype(np.int64, copy=True),
         )
 
     def _step_tensors(
@@ -529,8 +527,8 @@ class PersonaPlexEngine:
         idx = torch.from_numpy(rows).to(self.device)
         full = self._full
         tick = _Tick(
-            {k: v.index_select(0, idx) for k, v in full.lm_state.items()},
-            {k: v.index_select(0, idx) for k, v in full.mimi_state.items()},
+            {k: _rows(v, idx) for k, v in full.lm_state.items()},
+            {k: _rows(v, idx) for k, v in full.mimi_state.items()},
             full.ring.subset(idx),
             full.sampler.subset(idx),
             None if full.audio_logits is None else full.audio_logits.index_select(0, idx),
@@ -539,9 +537,9 @@ class PersonaPlexEngine:
             tick, torch.from_numpy(pcm[rows]).to(self.device), None, sampling
         )
         for key, value in full.lm_state.items():
-            value.index_copy_(0, idx, tick.lm_state[key])
+            _store_rows(value, idx, tick.lm_state[key])
         for key, value in full.mimi_state.items():
-            value.index_copy_(0, idx, tick.mimi_state[key])
+            _store_rows(value, idx, tick.mimi_state[key])
         full.ring.store(idx, tick.ring)
         if self.capture_logits:
             assert full.audio_logits is not None and tick.audio_logits is not None
@@ -553,36 +551,18 @@ class PersonaPlexEngine:
         pcm_out = torch.zeros(self.num_slots, FRAME_SIZE, device=self.device)
         return out.index_copy_(0, idx, sub_out), pcm_out.index_copy_(0, idx, sub_pcm)
 
-    # ---------------------------------------------------------------- voices
 
-    @torch.no_grad()
-    def make_voice(self, audio_24k: np.ndarray, normalized: bool = False) -> dict[str, torch.Tensor]:
-        """The published `.pt` voice of an audio prompt: {"embeddings" [N, 1, 1, dim], "cache" [1, K, C]}.
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """float8 tensors have no index_select / index_copy kernels: move their bytes instead."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
 
-        `audio_24k` is mono 24 kHz; it is normalised to -24 LUFS here unless `normalized` says the
-        caller already did (e.g. with `voices.load_voice_audio`).
-        """
-        pcm = np.asarray(audio_24k, dtype=np.float32).reshape(-1)
-        if not normalized:
-            pcm = normalize_loudness(pcm)
-        codes = self.encode_audio(pcm)
-        values = self._prompt_values(codes, 0, [])[: codes.shape[0]]
-        ring = self._new_plan_ring()  # per call: prepare() may run in worker threads
-        given = torch.ones(1, self.K, dtype=torch.bool)
-        inputs = []
-        for row in values:
-            ring.write_given(row[None], given, None)
-            if int(ring.offset[0]) == 0:
-                ring.first_step(0)
-                continue
-            inp, target, provided = ring.model_io()
-            inputs.append(inp[0])
-            ring.commit(target[:, 0], target[:, 1 : self.dep_q + 1], provided, None)
-        if not inputs:
-            raise PersonaError("voice prompt audio is too short (needs at least two 80 ms frames)")
-        tokens = torch.stack(inputs).T[None].to(self.device)  # [1, K, N]
-        emb = self.lm.embed_codes(tokens)[0].float().cpu()  # [N, dim]
-        return {"embeddings": emb[:, None, None, :].contiguous(), "cache": ring.cache[0:1].clone()}
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _bytes_view(t).index_select(0, index).view(t.dtype)
+
+
+def _store_rows(t: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    _bytes_view(t).index_copy_(0, index, _bytes_view(rows))
 
 
 def golden_like_files(root: Path, name: str | None = None) -> Any:
@@ -600,59 +580,3 @@ def golden_like_files(root: Path, name: str | None = None) -> Any:
         voice_dirs=(root / "voices",),
         lm_dtype_in_file=cfg.lm_dtype_in_file,
     )
-
-
-class _ParallelPrefill:
-    """The prompt as transformer forwards over `prefill_chunk` positions at a time."""
-
-    def __init__(self, engine: PersonaPlexEngine, slot: int, prepared: PreparedPersona):
-        self._engine, self._slot, self._prepared = engine, slot, prepared
-        self._plan: PromptPlan = prepared.payload
-        with torch.no_grad():
-            self._inputs = engine._prompt_inputs(self._plan)
-        self._done = 0  # positions run
-        self._total = 0 if self._inputs is None else int(self._inputs.shape[0])
-        self._chunk = max(1, engine.prefill_chunk)
-
-    @property
-    def remaining(self) -> int:
-        return -(-(self._total - self._done) // self._chunk) if self._inputs is not None else 0
-
-    @torch.no_grad()
-    def run_chunk(self) -> bool:
-        engine = self._engine
-        if self._inputs is not None and self._done < self._total:
-            end = min(self._total, self._done + self._chunk)
-            engine.lm.transformer(self._inputs[None, self._done : end], engine._slot_ctx(self._slot))
-            self._done = end
-            if end < self._total:
-                return False
-        self._inputs = None
-        engine.ring.load(self._slot, self._plan.final)
-        engine._finish_start(self._slot, self._prepared)
-        return True
-
-
-class _StepwisePrefill:
-    """The prompt replayed step by step (the published behaviour), `prefill_chunk_steps` a time."""
-
-    def __init__(self, engine: PersonaPlexEngine, slot: int, prepared: PreparedPersona):
-        self._engine, self._slot, self._prepared = engine, slot, prepared
-        self._plan: PromptPlan = prepared.payload
-        self._next = 0
-        self._chunk = max(1, engine.prefill_chunk_steps)
-
-    @property
-    def remaining(self) -> int:
-        return -(-(self._plan.steps - self._next) // self._chunk)
-
-    @torch.no_grad()
-    def run_chunk(self) -> bool:
-        end = min(self._plan.steps, self._next + self._chunk)
-        for i in range(self._next, end):
-            self._engine._prompt_step(self._slot, self._plan, i)
-        self._next = end
-        if end < self._plan.steps:
-            return False
-        self._engine._finish_start(self._slot, self._prepared)
-        return True

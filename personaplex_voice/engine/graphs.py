@@ -1,85 +1,101 @@
-"""CUDA-graph capture of the engine's batched tick.
+"""`CUDAGraphed`: replay a tensor function as one CUDA graph (in the spirit of moshi's CUDAGraphed).
 
-The tick (`PersonaPlexEngine._step_tensors`) has static shapes (fixed slot count, fixed ring and
-cache sizes), keeps all its state in tensors updated in place, and has no data-dependent Python
-control flow: which slots run is a tensor mask, sampling settings are per-slot tensors and the
-random noise is drawn per slot before the replay. So it is captured once and replayed every tick.
+It knows nothing of what it runs. The function must have static shapes, keep its state in
+tensors it updates in place, and have no data-dependent Python control flow; its tensor
+arguments are copied into static input buffers, and its outputs are static buffers too (read
+them before the next call). The first call warms the function up on a side stream (kernel
+selection, allocator growth) and captures it; every later call replays it.
 
-Capture safety: the warm-up runs and the capture use an all-false `active` mask, and the exec
-mask guarantees that no slot's state is modified by them. Starting, restoring and releasing
-slots happen outside the graph and write the same tensors in place, so the graph always sees
-the current state.
+`idle_args`: a function of no arguments giving inputs on which `fn` changes nothing (for the
+engine's tick: an all-false `active` mask). Warm-up and capture then run on those, so they never
+advance anyone's state; without it they run on the first call's real inputs.
+
+A capture that fails (a kernel that cannot be captured) is logged and the function runs eagerly
+from then on, from the same static buffers. `enabled=False` runs that eager path from the start
+(CPU tests of the static-buffer path).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
 import torch
-
-from personaplex_voice.engine.base import FRAME_SIZE
-
-if TYPE_CHECKING:
-    from personaplex_voice.engine.generator import PersonaPlexEngine
 
 log = logging.getLogger(__name__)
 WARMUP_RUNS = 3
 
 
-class GraphedStep:
-    """Runs the engine's tick from static input/output buffers, replayed as one CUDA graph.
+class CUDAGraphed:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        idle_args: Callable[[], tuple[torch.Tensor, ...]] | None = None,
+        enabled: bool = True,
+        warmup_runs: int = WARMUP_RUNS,
+    ):
+        self._fn = fn
+        self._idle_args = idle_args
+        self.enabled = enabled
+        self._warmup_runs = warmup_runs
+        self._inputs: tuple[torch.Tensor, ...] | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._outputs: Any = None
 
-    `use_cuda_graph=False` runs the very same static-buffer path eagerly (CPU tests).
-    """
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
 
-    def __init__(self, engine: PersonaPlexEngine, use_cuda_graph: bool = True):
-        self.engine = engine
-        self.use_cuda_graph = use_cuda_graph
-        device = engine.device
-        B = engine.num_slots
-        self.pcm_in = torch.zeros(B, FRAME_SIZE, device=device)
-        self.active = torch.zeros(B, dtype=torch.bool, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        self.pcm_out: torch.Tensor | None = None
-        # The captured graph always contains the sampling math (greedy slots select the argmax).
-        engine.sampler.always_full = True
-
-    @torch.no_grad()
-    def capture(self) -> None:
-        engine = self.engine
-        self.active.zero_()
-        stream = torch.cuda.Stream(device=engine.device)
-        stream.wait_stream(torch.cuda.current_stream(engine.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                engine._step_tensors(engine._full, self.pcm_in, self.active, True)
-        torch.cuda.current_stream(engine.device).wait_stream(stream)
-        torch.cuda.synchronize(engine.device)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: prepare() may encode a voice on the GPU from a worker thread meanwhile.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.out, self.pcm_out = engine._step_tensors(engine._full, self.pcm_in, self.active, True)
-        self.graph = graph
+    def _load(self, args: tuple[torch.Tensor, ...]) -> None:
+        if self._inputs is None:
+            self._inputs = tuple(a.detach().clone() for a in args)
+            return
+        for buffer, value in zip(self._inputs, args, strict=True):
+            buffer.copy_(value)
 
     @torch.no_grad()
-    def run(self, pcm: np.ndarray, active: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        self.pcm_in.copy_(torch.from_numpy(pcm))
-        self.active.copy_(torch.from_numpy(np.asarray(active, dtype=bool)))
-        if not self.use_cuda_graph:
-            return self.engine._step_tensors(self.engine._full, self.pcm_in, self.active, True)
-        if self.graph is None:
-            try:
-                self.capture()
-            except RuntimeError as exc:  # a kernel that cannot be captured: keep serving, eagerly
-                log.warning("CUDA graph capture failed (%s); running the tick eagerly", exc)
-                self.graph = None
-                self.use_cuda_graph = False
-                torch.cuda.synchronize(self.engine.device)
-                return self.engine._step_tensors(self.engine._full, self.pcm_in, self.active, True)
-            self.active.copy_(torch.from_numpy(np.asarray(active, dtype=bool)))
-        assert self.graph is not None and self.out is not None and self.pcm_out is not None
-        self.graph.replay()
-        return self.out, self.pcm_out
+    def warm(self, *args: torch.Tensor) -> None:
+        """Capture now (before the first real call) with inputs shaped like `args`."""
+        self._load(args)
+        if self.enabled and self._graph is None:
+            self._capture()
+
+    @torch.no_grad()
+    def __call__(self, *args: torch.Tensor) -> Any:
+        self._load(args)
+        if self.enabled and self._graph is None:
+            self._capture()
+            self._load(args)  # the capture ran on idle inputs: put the real ones back
+        if self._graph is None:
+            assert self._inputs is not None
+            return self._fn(*self._inputs)
+        self._graph.replay()
+        return self._outputs
+
+    def _capture(self) -> None:
+        assert self._inputs is not None
+        if self._idle_args is not None:
+            for buffer, value in zip(self._inputs, self._idle_args(), strict=True):
+                buffer.copy_(value)
+        device = self._inputs[0].device
+        try:
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(self._warmup_runs):
+                    self._fn(*self._inputs)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread (a voice being encoded for `prepare`) may use the GPU.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._outputs = self._fn(*self._inputs)
+            self._graph = graph
+        except RuntimeError as exc:
+            log.warning("CUDA graph capture failed (%s); running eagerly", exc)
+            self._graph = None
+            self._outputs = None
+            self.enabled = False
+            torch.cuda.synchronize(device)

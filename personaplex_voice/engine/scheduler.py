@@ -677,9 +677,4 @@ class Scheduler:
 
 
 def _tokens_of(out: StepOutput, slot: int) -> np.ndarray | None:
-    if out.text_tokens is None:
-        return None
-    text = np.asarray(out.text_tokens[slot], np.int64).reshape(1)
-    if out.audio_tokens is None:
-        return text
-    return np.concatenate([text, np.asarray(out.audio_tokens[slot], np.int64).reshape(-1)])
+    return None if out.tokens is None else np.array(out.tokens[slot], dtype=np.int64)

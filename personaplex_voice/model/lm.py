@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from personaplex_voice.model.config import LMConfig
+from personaplex_voice.model.quant import linear, storage_key, weight_rows
 from personaplex_voice.model.streaming import StepContext, StreamState, init_state, name_streaming_modules
 from personaplex_voice.model.transformer import (
     ActivationGating,
@@ -31,6 +32,14 @@ from personaplex_voice.model.transformer import (
 
 # sample(logits [B, card] float32, codebook index) -> tokens [B] long
 AudioSampler = Callable[[torch.Tensor, int], torch.Tensor]
+# The published embeddings' `zero_idx`: this token id embeds to a zero vector (other negative
+# ids embed as id 0).
+ZERO_TOKEN_ID = -1
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup with the published `zero_idx` semantics (see ZERO_TOKEN_ID)."""
+    return F.embedding(ids.clamp(min=0), weight).masked_fill_((ids == ZERO_TOKEN_ID)[..., None], 0.0)
 
 
 class _DepformerAttention(nn.Module):
@@ -88,8 +97,7 @@ class Depformer(nn.Module):
 
     def _step_weights(self, device: torch.device) -> list[list[tuple]]:
         """Per step, per layer: the weights the step uses (views built once, not per tick)."""
-        w0 = self.layers[0].self_attn.in_proj_weight
-        key = (w0.data_ptr(), w0.dtype, w0.device)
+        key = storage_key(self.layers[0].self_attn.in_proj_weight)
         if getattr(self, "_weights_key", None) != key:
             table = []
             for step in range(self.steps):
@@ -101,8 +109,8 @@ class Depformer(nn.Module):
                     rows.append(
                         (
                             layer.norm1,
-                            attn.in_proj_weight.view(-1, 3 * self.dim, self.dim)[w],
-                            attn.out_proj.weight.view(-1, self.dim, self.dim)[w],
+                            weight_rows(attn.in_proj_weight, w, 3 * self.dim),
+                            weight_rows(attn.out_proj.weight, w, self.dim),
                             None if isinstance(layer.layer_scale_1, nn.Identity) else layer.layer_scale_1,
                             layer.norm2,
                             gating.linear_in.weight,
@@ -134,18 +142,18 @@ class Depformer(nn.Module):
         h = x[:, None]
         for li, (norm1, w_in, w_out, ls1, norm2, g_in, g_out, act, ls2) in enumerate(weights):
             y = norm1.forward(h)
-            q, k, v = F.linear(y[:, 0], w_in).view(B, 3, H, 1, D).unbind(1)
+            q, k, v = linear(y[:, 0], w_in).view(B, 3, H, 1, D).unbind(1)
             if self.rope_period is not None:
                 pos = torch.full((B, 1), step, device=x.device, dtype=torch.long)
                 q, k = apply_rope(q, k, pos, self.rope_period)
             keys[li][:, :, step : step + 1] = k
             values[li][:, :, step : step + 1] = v
             out = F.scaled_dot_product_attention(q, keys[li], values[li], mask)
-            out = F.linear(out.reshape(B, self.dim), w_out)[:, None]
+            out = linear(out.reshape(B, self.dim), w_out)[:, None]
             h = h + (out if ls1 is None else ls1.forward(out))
-            g = F.linear(norm2.forward(h), g_in)
+            g = linear(norm2.forward(h), g_in)
             g = g.view(*g.shape[:-1], 2, -1)
-            g = F.linear(act(g[..., 0, :]) * g[..., 1, :], g_out)
+            g = linear(act(g[..., 0, :]) * g[..., 1, :], g_out)
             h = h + (g if ls2 is None else ls2.forward(g))
         return h[:, 0]
 
@@ -207,9 +215,19 @@ class LMModel(nn.Module):
     def text_initial_token_id(self) -> int:
         return self.text_card
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the embeddings' dtype: embeddings are never quantized)."""
+        return self.text_emb.weight.dtype
+
+    def set_kv_dtype(self, dtype: torch.dtype | None) -> None:
+        """Keep the temporal transformer's KV cache in `dtype` (None = the compute dtype)."""
+        for layer in self.transformer.layers:
+            layer.self_attn.kv_dtype = dtype
+
     def init_state(self, batch: int, device: torch.device | str | None = None) -> StreamState:
-        p = next(self.parameters())
-        return init_state(self, batch, device or p.device, p.dtype)
+        weight = self.text_emb.weight
+        return init_state(self, batch, device or weight.device, weight.dtype)
 
     def reset_slot(self, state: StreamState, slot: int) -> None:
         """Fresh state for one slot: empty KV rings, position 0, nothing pinned."""
@@ -221,15 +239,15 @@ class LMModel(nn.Module):
 
     def embed_codes(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, 17, T] -> summed input embeddings [B, T, dim] (published summation order)."""
-        x = F.embedding(tokens[:, 1], self.emb[0].weight)
+        x = embed(tokens[:, 1], self.emb[0].weight)
         for i in range(1, self.n_q):
-            x = x + F.embedding(tokens[:, i + 1], self.emb[i].weight)
-        return x + F.embedding(tokens[:, 0], self.text_emb.weight)
+            x = x + embed(tokens[:, i + 1], self.emb[i].weight)
+        return x + embed(tokens[:, 0], self.text_emb.weight)
 
     def forward_embeddings(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, dim] -> (normed hidden [B, T, dim], text logits [B, T, text_card])."""
         out = self.out_norm(self.transformer(x, ctx))
-        return out, self.text_linear(out)
+        return out, linear(out, self.text_linear.weight)
 
     def depformer_tokens(
         self,
@@ -253,11 +271,11 @@ class LMModel(nn.Module):
         sampled = []
         multi = len(self.depformer_in) > 1
         for cb in range(self.dep_q):
-            x = F.linear(hidden, self.depformer_in[cb if multi else 0].weight)
+            x = linear(hidden, self.depformer_in[cb if multi else 0].weight)
             emb = self.depformer_text_emb if cb == 0 else self.depformer_emb[cb - 1]
-            x = x + F.embedding(prev, emb.weight)
+            x = x + embed(prev, emb.weight)
             out = self.depformer.forward_step(x, cb, keys, values)
-            logits = F.linear(out, self.linears[cb].weight).float()
+            logits = linear(out, self.linears[cb].weight).float()
             if logits_out is not None:
                 logits_out[:, cb] = logits
             token = sample(logits, cb)

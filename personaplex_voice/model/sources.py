@@ -4,7 +4,7 @@
 architecture and the paths of the weights, tokenizer and voice directories. It only finds and
 checks files; loading them is `model/loaders.py`'s job.
 
-- `demo`: a tiny random-weight model (see `personaplex_voice.engine.demo`); no network, no GPU.
+- `demo`: a tiny random-weight model (see `personaplex_voice.model.demo`); no network, no GPU.
 - a directory with the layout of the golden vectors: `config.json`, `model.safetensors`,
   `mimi.safetensors`, `tokenizer.model` (or `config.json`'s `text_tokenizer`), `voices/`.
 - a Hugging Face repo id (default `nvidia/personaplex-7b-v1`, gated: needs `HF_TOKEN`), with the
@@ -67,7 +67,8 @@ class ModelFiles:
 
     `lm_weights` / `mimi_weights` are None only for the `demo` model (random init).
     `lm_dtype_in_file` is the dtype the LM weights are stored in ("bfloat16" for the published
-    checkpoint); the loader casts to the run dtype.
+    checkpoint); the loader casts to the run dtype. `voice_source` is what the voice list says
+    the voices are ("model", or "demo" for the demo model's own voices).
     """
 
     name: str
@@ -77,6 +78,7 @@ class ModelFiles:
     tokenizer: Path
     voice_dirs: tuple[Path, ...]
     lm_dtype_in_file: str
+    voice_source: str = "model"
 
     @property
     def is_demo(self) -> bool:
@@ -151,19 +153,18 @@ def _resolve_demo(overrides: dict[str, Path | None], voice_dir: Path | None) -> 
     given = [flags[key] for key, path in overrides.items() if path is not None]
     if given:
         raise UserError(f"the demo model has built-in random weights and tokenizer; drop {', '.join(given)}")
-    # Imported here: the demo assets live with the engine, which sits above this module.
-    from personaplex_voice.engine import demo
+    from personaplex_voice.model import demo
 
     assets = demo.demo_assets()
-    voice_dirs = (voice_dir,) if voice_dir is not None else (assets.voices_dir,)
     return ModelFiles(
         name=DEMO,
         config=demo.demo_config(assets.vocab_size),
         lm_weights=None,
         mimi_weights=None,
         tokenizer=assets.tokenizer,
-        voice_dirs=voice_dirs,
+        voice_dirs=(voice_dir,) if voice_dir is not None else (assets.voices_dir,),
         lm_dtype_in_file="float32",
+        voice_source="model" if voice_dir is not None else "demo",
     )
 
 

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from personaplex_voice.model.quant import linear
 from personaplex_voice.model.streaming import StepContext, StreamingModule, StreamState, commit
+
+# The largest finite float8_e4m3fn: keys and values are clamped to it before an fp8 cache write
+# (a cast of anything larger gives NaN, e4m3fn has no infinity).
+FP8_MAX = 448.0
 
 
 class RMSNorm(nn.Module):
@@ -97,10 +102,10 @@ class ActivationGating(nn.Module):
         self.activation = _ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.linear(x, self.linear_in.weight)
+        x = linear(x, self.linear_in.weight)
         x = x.view(*x.shape[:-1], 2, -1)
         x = self.activation(x[..., 0, :]) * x[..., 1, :]
-        return F.linear(x, self.linear_out.weight)
+        return linear(x, self.linear_out.weight)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, max_period: float):
@@ -125,6 +130,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, max_pe
     return qo.view(B, H, T, D), ko.view(B, H, T, D)
 
 
+def _gather_fp8(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8).gather(2, index).view(cache.dtype)
+
+
 @dataclass
 class AttentionPlan:
     """Shared by every layer of one transformer call: where to write, what to attend."""
@@ -144,32 +153,48 @@ class StreamingAttention(StreamingModule):
         self.in_proj_weight = nn.Parameter(torch.empty(3 * dim, dim))
         self.out_proj = nn.Linear(dim, dim, bias=False)
         nn.init.xavier_uniform_(self.in_proj_weight)
+        # The KV cache's dtype when it differs from the compute dtype (fp8 for low VRAM); None =
+        # the dtype the state is created with.
+        self.kv_dtype: torch.dtype | None = None
 
     def init_own_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> StreamState:
         shape = (batch, self.num_heads, self.capacity, self.dim // self.num_heads)
+        kv_dtype = self.kv_dtype or dtype
         return {
-            "k": torch.zeros(shape, device=device, dtype=dtype),
-            "v": torch.zeros(shape, device=device, dtype=dtype),
+            "k": torch.zeros(shape, device=device, dtype=kv_dtype),
+            "v": torch.zeros(shape, device=device, dtype=kv_dtype),
         }
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan, ctx: StepContext) -> torch.Tensor:
         B, T, C = x.shape
         H = self.num_heads
-        projected = F.linear(x, self.in_proj_weight)
+        projected = linear(x, self.in_proj_weight)
         q, k, v = projected.view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
         if self.rope_period is not None:
             q, k = apply_rope(q, k, plan.positions, self.rope_period)
         k_cache, v_cache = self.st(ctx, "k"), self.st(ctx, "v")
         index = plan.index[:, None, :, None].expand(B, H, T, C // H)
-        if ctx.active is not None:
-            keep = ~ctx.active.view(B, 1, 1, 1)
-            k = torch.where(keep, k_cache.gather(2, index), k)
-            v = torch.where(keep, v_cache.gather(2, index), v)
-        k_cache.scatter_(2, index, k.to(k_cache.dtype))
-        v_cache.scatter_(2, index, v.to(v_cache.dtype))
-        out = F.scaled_dot_product_attention(q, k_cache, v_cache, plan.mask)
+        if k_cache.dtype.itemsize == 1:  # an fp8 cache: clamp to its range, move raw bytes
+            k, v = k.clamp(-FP8_MAX, FP8_MAX), v.clamp(-FP8_MAX, FP8_MAX)
+            if ctx.active is not None:
+                keep = ~ctx.active.view(B, 1, 1, 1)
+                k = torch.where(keep, _gather_fp8(k_cache, index).to(k.dtype), k)
+                v = torch.where(keep, _gather_fp8(v_cache, index).to(v.dtype), v)
+            # gather/scatter have no float8 kernels: the same bytes as uint8
+            k_cache.view(torch.uint8).scatter_(2, index, k.to(k_cache.dtype).view(torch.uint8))
+            v_cache.view(torch.uint8).scatter_(2, index, v.to(v_cache.dtype).view(torch.uint8))
+        else:
+            if ctx.active is not None:
+                keep = ~ctx.active.view(B, 1, 1, 1)
+                k = torch.where(keep, k_cache.gather(2, index), k)
+                v = torch.where(keep, v_cache.gather(2, index), v)
+            k_cache.scatter_(2, index, k.to(k_cache.dtype))
+            v_cache.scatter_(2, index, v.to(v_cache.dtype))
+        # A cache in another dtype is read back in the compute dtype (one layer at a time).
+        keys, values = k_cache.to(q.dtype), v_cache.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, keys, values, plan.mask)
         out = out.transpose(1, 2).reshape(B, T, C)
-        return F.linear(out, self.out_proj.weight)
+        return linear(out, self.out_proj.weight)
 
 
 class StreamingTransformerLayer(nn.Module):
@@ -209,7 +234,7 @@ class StreamingTransformerLayer(nn.Module):
             update = self.gating.forward(h)
         else:
             assert self.linear1 is not None and self.linear2 is not None
-            update = F.linear(F.gelu(F.linear(h, self.linear1.weight)), self.linear2.weight)
+            update = linear(F.gelu(linear(h, self.linear1.weight)), self.linear2.weight)
         return x + (update if self._no_scale else self.layer_scale_2.forward(update))
 
 

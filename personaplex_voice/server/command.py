@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -17,9 +18,12 @@ from pydantic import ValidationError
 from personaplex_voice.cli_options import (
     DeviceOpt,
     DtypeOpt,
+    KvDtype,
     MimiWeightOpt,
     ModelOpt,
     MoshiWeightOpt,
+    PrefillMode,
+    QuantizeMode,
     ThreadsOpt,
     TokenizerOpt,
     VoiceDirOpt,
@@ -42,6 +46,24 @@ def serve(
     device: DeviceOpt = None,  # type: ignore[assignment]
     dtype: DtypeOpt = None,  # type: ignore[assignment]
     threads: ThreadsOpt = None,  # type: ignore[assignment]
+    prefill: Annotated[
+        PrefillMode | None,
+        typer.Option(
+            help="System prompts: parallel (fast) or stepwise (bit for bit the published run) "
+            "(env PERSONAPLEX_PREFILL; parallel)"
+        ),
+    ] = None,
+    quantize: Annotated[
+        QuantizeMode | None,
+        typer.Option(help="int8: the LM's linear weights as int8 (env PERSONAPLEX_QUANTIZE; none)"),
+    ] = None,
+    kv_dtype: Annotated[
+        KvDtype | None,
+        typer.Option(
+            help="The LM's KV cache: auto (LM dtype), bfloat16, float16, float32, float8 "
+            "(env PERSONAPLEX_KV_DTYPE; auto)"
+        ),
+    ] = None,
     max_sessions: Annotated[
         int | None,
         typer.Option(help="Concurrent conversations = batch slots (env PERSONAPLEX_MAX_SESSIONS; 4)"),
@@ -114,7 +136,11 @@ def serve(
     ] = None,
 ) -> None:
     """Serve /api/chat, the browser client, health and metrics."""
-    given = {name: value for name, value in locals().items() if value is not None}
+    given = {
+        name: value.value if isinstance(value, Enum) else value
+        for name, value in locals().items()
+        if value is not None
+    }
     alias = given.pop("voice_prompt_dir", None)
     if alias is not None:
         if given.get("voice_dir", alias) != alias:
@@ -146,6 +172,9 @@ class RedactTokens(logging.Filter):
 
 
 def run_server(settings: ServerSettings) -> None:
+    from personaplex_voice.audio.opus_library import require_opus
+
+    require_opus()  # /api/chat speaks Ogg-Opus: a machine without libopus is told so, in one line
     import uvicorn
 
     from personaplex_voice.server.app import create_app, end_all_calls

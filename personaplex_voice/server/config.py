@@ -38,6 +38,12 @@ class ServerSettings(BaseSettings):
     tokenizer: Path | None = None
     # `auto` = float32 on CPU, bfloat16 on CUDA; or float32, bfloat16, float16.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # How system prompts are run: `parallel` (fast) or `stepwise` (bit for bit the published run).
+    prefill: Literal["parallel", "stepwise"] = "parallel"
+    # `int8`: the LM's linear weights as int8 rows (for GPUs where bfloat16 weights do not fit).
+    quantize: Literal["none", "int8"] = "none"
+    # The LM's KV cache dtype; `auto` = the LM dtype; `float8` halves the memory per call.
+    kv_dtype: Literal["auto", "bfloat16", "float16", "float32", "float8"] = "auto"
     # torch intra-op threads; 0 = auto (1 for tiny models, torch's default otherwise). Set it on a
     # shared CPU so the server does not take every core from its neighbours.
     threads: int = Field(0, ge=0, le=1024)

@@ -24,7 +24,7 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
         progress(f"starting the echo engine ({settings.max_sessions} slots)")
         return build_engine(engine="echo", num_slots=settings.max_sessions, text_pieces=ECHO_TEXT)
 
-    from personaplex_voice.cli_options import configure_threads, parse_dtype, source_overrides
+    from personaplex_voice.cli_options import configure_threads, engine_options, parse_dtype, source_overrides
 
     device = resolve_device(settings.device)
     if settings.threads:  # before loading too: the load itself runs torch ops
@@ -39,6 +39,7 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
         num_slots=settings.max_sessions,
         device=device,
         dtype=parse_dtype(settings.dtype),
+        **engine_options(settings.prefill, settings.quantize, settings.kv_dtype),
         **{k: v for k, v in overrides.items() if v is not None},
     )
     configure_threads(settings.threads, engine)  # auto needs the model's size and device
@@ -46,7 +47,9 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
 
 
 def warm_engine(engine: Any) -> None:
-    """Run the engine's own warm-up (kernel selection, CUDA graph capture) when it has one."""
+    """Run the engine's warm-up (a prefill and ticks: kernel selection, allocator growth, CUDA graph
+    capture) before the server says ready, so the first caller's first frame costs what later
+    ones do. An engine without one (the echo engine) has nothing to warm."""
     warmup = getattr(engine, "warmup", None)
     if callable(warmup):
         warmup()

@@ -5,11 +5,13 @@ manager and the CLI run against it exactly as against the 7B model. It babbles: 
 random (seeded, so two runs babble the same), it only exists so a new user can wire up Twilio,
 Pipecat or the browser before fetching 16 GB. Its codec hears and answers nonetheless: the model
 layer tunes any Mimi built without weights (`model/random_init.py`, run by `load_mimi`).
+`loaders.load_models` builds it (weights drawn on the CPU under `WEIGHTS_SEED`).
 
-Its assets are made at first use and cached under `$PERSONAPLEX_CACHE/demo` (default
+Its files are made at first use and cached under `$PERSONAPLEX_CACHE/demo` (default
 `~/.cache/personaplex-voice/demo`): a SentencePiece tokenizer trained on the short text below,
 following the published tokenizer's conventions (ids 0..3 = unk/EPAD, BOS, EOS, PAD; `<system>`
-one piece), and two synthetic voice prompts as .wav files.
+one piece), and a voices directory that the engine fills with the demo's voices
+(`personaplex_voice.engine.demo_voices`: they need the model to be made).
 """
 
 from __future__ import annotations
@@ -23,11 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-# The random codec's calibration sound (model/random_init.py) is also what the demo's voices are.
-from personaplex_voice.model.random_init import synthetic_voice
-
 if TYPE_CHECKING:
     from personaplex_voice.model.config import ModelConfig
 
@@ -36,11 +33,10 @@ DEMO_NOTICE = (
     "the demo model has random weights: it babbles, it does not talk. It is there to wire things up; "
     "use --model nvidia/personaplex-7b-v1 (HF_TOKEN) for the real PersonaPlex."
 )
-# Bump when the assets below change, so old caches are not reused.
-ASSETS_VERSION = "v1"
+# Bump when the assets or the weights change, so old caches (voice files) are not reused.
+ASSETS_VERSION = "v2"
 WEIGHTS_SEED = 20240611
 VOCAB_SIZE = 256
-SAMPLE_RATE = 24_000
 
 # What the demo tokenizer learns from: short phone-conversation English, the register the real
 # model is prompted in.
@@ -113,17 +109,14 @@ def cache_root() -> Path:
 
 
 def demo_assets() -> DemoAssets:
-    """Make (at first use) and return the demo's tokenizer and voices. Safe to call concurrently."""
+    """Make (at first use) and return the demo's tokenizer and voices directory. Safe to call
+    concurrently."""
     root = cache_root() / "demo" / ASSETS_VERSION
     voices = root / "voices"
     voices.mkdir(parents=True, exist_ok=True)
     tokenizer = root / "tokenizer.model"
     if not tokenizer.is_file():
-        _write_atomic(tokenizer, train_tokenizer())
-    for name, f0 in DEMO_VOICES.items():
-        path = voices / f"{name}.wav"
-        if not path.is_file():
-            _write_atomic(path, _wav_bytes(synthetic_voice(f0, seed=int(f0))))
+        write_atomic(tokenizer, train_tokenizer())
     return DemoAssets(root=root, tokenizer=tokenizer, voices_dir=voices, vocab_size=VOCAB_SIZE)
 
 
@@ -161,13 +154,12 @@ def demo_config_dict() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def seeded_weights(device: str = "cpu") -> Iterator[None]:
-    """Run the model's random init (weights, and the codec tuning `load_mimi` does) under a fixed
-    seed, without disturbing the caller's RNG."""
+def seeded_weights() -> Iterator[None]:
+    """Run the model's random init on the CPU (weights, and the codec tuning `load_mimi` does)
+    under a fixed seed, without disturbing the caller's RNG."""
     import torch
 
-    devices = [torch.device(device).index or 0] if str(device).startswith("cuda") else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(WEIGHTS_SEED)
         yield
 
@@ -199,19 +191,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> bytes:
     return model.getvalue()
 
 
-# name -> fundamental frequency (Hz) of the synthetic voice
-DEMO_VOICES = {"DEMOF0": 210.0, "DEMOM0": 115.0}
-
-
-def _wav_bytes(pcm: np.ndarray) -> bytes:
-    import soundfile as sf
-
-    buf = io.BytesIO()
-    sf.write(buf, pcm, SAMPLE_RATE, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     # Write beside the target then rename: parallel first uses never see a half-written file.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

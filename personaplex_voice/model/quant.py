@@ -1,0 +1,150 @@
+"""Weight-only int8 for the LM's linear layers, and the one `linear` every layer calls.
+
+`Int8Weight` replaces a weight matrix [out, in] by int8 rows and one scale per row (symmetric,
+absmax / 127): W ≈ scale[:, None] * q. It takes 1 byte per weight plus 2-4 bytes per row, about
+half of bfloat16. Embeddings, norms and Mimi stay as they are.
+
+The matmul, chosen by measurement (docs/engine.md, "int8 weights"):
+- CPU: `torch._weight_int8pack_mm` (torch's own int8 weight-only kernel; with bfloat16
+  activations twice as fast as the bfloat16 matmul at batch 1), for inner widths that are
+  multiples of 32; torchao's int8 weight-only layout runs no faster than dequantising here, so
+  it is not a dependency.
+- CUDA: the rows are cast to the activation dtype and multiplied by cuBLAS, the scale applied to
+  the output (y = (x @ q^T) * scale, exact algebra). This trades memory traffic for memory: it is
+  for GPUs where the bfloat16 weights do not fit; `bench/gpu_check.sh` times the alternatives.
+
+A module keeps an `Int8Weight` where it had its `weight` (or `in_proj_weight`) parameter, so
+checkpoint names and module paths do not change; every call site goes through `linear(x, w)`,
+which is `F.linear` for a plain tensor (the float path is untouched, bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+QUANTIZE_MODES = ("none", "int8")
+_QMAX = 127.0
+# torch's CPU int8 kernel reads the inner dimension in blocks of 32 (other widths crash it:
+# measured with torch 2.13); such layers (tiny models only, the 7B's are multiples) dequantise.
+INT8PACK_K_MULTIPLE = 32
+SCALE_DTYPE = torch.bfloat16
+
+
+class Int8Weight(nn.Module):
+    """A [out, in] weight as int8 rows `q` and a bfloat16 `scale` per row."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Round `weight` [out, in] (any float dtype, any device) to int8 rows. The scales are
+        kept in bfloat16 (2 bytes a row, whatever the activations' dtype; the rows are rounded
+        against the stored scale, so it is exact for them)."""
+        w = weight.detach().float()
+        absmax = w.abs().amax(dim=1)
+        scale = torch.where(absmax > 0, absmax / _QMAX, torch.ones_like(absmax)).to(SCALE_DTYPE)
+        q = torch.round(w / scale.float()[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+        return cls(q, scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def rows(self, index: int, rows_per_block: int) -> Int8Weight:
+        """Block `index` of `rows_per_block` rows (the depth transformer's per-step weights): views."""
+        start = index * rows_per_block
+        return Int8Weight(self.q[start : start + rows_per_block], self.scale[start : start + rows_per_block])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.device.type == "cpu" and x.shape[-1] % INT8PACK_K_MULTIPLE == 0:
+            scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.q, scale)
+        else:
+            y = F.linear(x2, self.q.to(x.dtype)) * self.scale.to(x.dtype)
+        return y.view(*lead, self.q.shape[0])
+
+
+Weight = torch.Tensor | Int8Weight
+
+
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """`F.linear(x, weight)` (no bias) for a float weight or an `Int8Weight`."""
+    if isinstance(weight, Int8Weight):
+        return weight.matmul(x)
+    return F.linear(x, weight)
+
+
+def weight_rows(weight: Weight, index: int, rows_per_block: int) -> Weight:
+    """Rows [index * rows_per_block, (index + 1) * rows_per_block) of a weight, as a view."""
+    if isinstance(weight, Int8Weight):
+        return weight.rows(index, rows_per_block)
+    return weight.view(-1, rows_per_block, weight.shape[-1])[index]
+
+
+def storage_key(weight: Weight) -> tuple[int, torch.dtype, torch.device]:
+    """Identifies a weight's storage (to rebuild views when weights are replaced or moved)."""
+    t = weight.q if isinstance(weight, Int8Weight) else weight
+    return t.data_ptr(), t.dtype, t.device
+
+
+def quantizable_weights(model: nn.Module) -> list[str]:
+    """State-dict names of the weights `--quantize int8` turns into int8: every linear layer's
+    `weight` and the attention input projections (`in_proj_weight`), not embeddings or norms."""
+    names = []
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(module, nn.Linear):
+            names.append(f"{dot}weight")
+        elif isinstance(getattr(module, "in_proj_weight", None), (nn.Parameter, Int8Weight)):
+            names.append(f"{dot}in_proj_weight")
+    return names
+
+
+def set_weight(model: nn.Module, name: str, value: torch.Tensor | Int8Weight) -> None:
+    """Put `value` where the parameter or buffer `name` (a state-dict name) is."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path) if path else model
+    if isinstance(value, Int8Weight):
+        module._parameters.pop(attr, None)  # the module now holds the int8 form under that name
+        setattr(module, attr, value)
+    elif attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    elif attr in module._buffers:
+        module._buffers[attr] = value
+    else:
+        raise KeyError(name)
+
+
+def quantize_model_(model: nn.Module) -> None:
+    """Replace every quantizable weight of `model` (already loaded) by its `Int8Weight`."""
+    for name in quantizable_weights(model):
+        weight = model.get_parameter(name)
+        set_weight(model, name, Int8Weight.quantize(weight))
+        del weight
+
+
+def linear_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes the quantizable weights take now, bytes they would take in bfloat16)."""
+    now = bf16 = 0
+    for name in quantizable_weights(model):
+        path, _, attr = name.rpartition(".")
+        value = getattr(model.get_submodule(path) if path else model, attr)
+        if isinstance(value, Int8Weight):
+            now += value.nbytes
+            bf16 += value.q.numel() * 2
+        else:
+            now += value.numel() * value.element_size()
+            bf16 += value.numel() * 2
+    return now, bf16

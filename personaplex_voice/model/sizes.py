@@ -1,0 +1,107 @@
+"""How much GPU memory a model takes, and how many calls fit on a GPU, from the code's own sizes.
+
+Nothing is allocated: the modules and the per-slot state are built on the `meta` device, so the
+numbers are the byte counts of exactly the tensors the engine creates.
+
+- weights: the LM (in its dtype, or int8 linear weights plus a scale per row) and Mimi (float32);
+- per call (one batch slot): the LM's KV cache and positions, Mimi's streaming state, the token
+  ring and the sampler's noise buffers; with a KV cache narrower than the compute dtype (fp8),
+  also its share of the one-layer workspace the cache is read back into;
+- fixed: the persona cache (`--persona-cache-mb`, kept on the device) and a reserve for the CUDA
+  context, cuBLAS workspaces and allocator slack (`RESERVE_GIB`, an estimate: bench/gpu_check.sh
+  measures the real peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from personaplex_voice.model.config import ModelConfig
+from personaplex_voice.model.lm import LMModel
+from personaplex_voice.model.mimi import Mimi
+from personaplex_voice.model.quant import quantizable_weights
+
+GIB = 2**30
+RESERVE_GIB = 2.0
+PERSONA_CACHE_GIB = 1.0  # the server's default --persona-cache-mb 1024
+# Usable memory (GiB, as torch reports it) of the GPU classes in the docs' table.
+GPUS = {
+    "24 GB (L4, A10G, RTX 4090)": 22.0,
+    "48 GB (L40S, A6000)": 44.5,
+    "80 GB (A100, H100)": 79.2,
+    "141 GB (H200)": 139.8,
+}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int  # bytes: LM + Mimi
+    per_call: int  # bytes per batch slot
+    fixed: int  # bytes: persona cache + reserve
+
+    def calls(self, gpu_gib: float) -> int:
+        free = gpu_gib * GIB - self.weights - self.fixed
+        return max(0, int(free // self.per_call))
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def memory_plan(
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    quantize: str | None = None,
+    kv_dtype: torch.dtype | None = None,
+    persona_cache_gib: float = PERSONA_CACHE_GIB,
+) -> MemoryPlan:
+    with torch.device("meta"):
+        lm = LMModel(cfg.lm).to(dtype)
+        mimi = Mimi(cfg)
+    element = torch.empty(0, dtype=dtype).element_size()
+    weights = 0
+    quantized = set(quantizable_weights(lm)) if quantize == "int8" else set()
+    for name, tensor in lm.state_dict().items():
+        if name in quantized:
+            weights += tensor.numel() + tensor.shape[0] * 2  # int8 rows + a bfloat16 scale per row
+        else:
+            weights += tensor.numel() * element
+    weights += _nbytes(mimi.state_dict())
+    lm.set_kv_dtype(kv_dtype)
+    lm_state = lm.init_state(1, "meta")
+    per_call = _nbytes(lm_state) + _nbytes(mimi.init_state(1, "meta"))
+    lc = cfg.lm
+    ring = lc.num_streams * (max(lc.delays) + 3) * (8 + 1) + 8
+    noise = 4 * (lm.text_linear.out_features + lc.dep_q * lc.card)
+    per_call += ring + noise
+    if kv_dtype is not None and kv_dtype != dtype:  # one layer's cache read back in `dtype`
+        kv = sum(t.numel() for k, t in lm_state.items() if k.endswith((":k", ":v")))
+        per_call += kv * element // lc.num_layers
+    fixed = int((RESERVE_GIB + persona_cache_gib) * GIB)
+    return MemoryPlan(weights=weights, per_call=per_call, fixed=fixed)
+
+
+def memory_table(cfg: ModelConfig | None = None) -> str:
+    """The markdown table of docs/engine.md ("Memory and calls per GPU") for the 7B model."""
+    cfg = cfg or ModelConfig.personaplex_7b()
+    rows = [
+        ("bfloat16", "bfloat16", None, None),
+        ("bfloat16", "float8", None, torch.float8_e4m3fn),
+        ("int8", "bfloat16", "int8", None),
+        ("int8", "float8", "int8", torch.float8_e4m3fn),
+    ]
+    head = "| LM weights | KV cache | weights (GiB) | per call (GiB) | " + " | ".join(GPUS) + " |"
+    lines = [head, "|" + " --- |" * (4 + len(GPUS))]
+    for weights_name, kv_name, quantize, kv in rows:
+        plan = memory_plan(cfg, torch.bfloat16, quantize=quantize, kv_dtype=kv)
+        calls = " | ".join(str(plan.calls(g)) for g in GPUS.values())
+        flags = " ".join(
+            f for f in ("--quantize int8" if quantize else "", "--kv-dtype float8" if kv else "") if f
+        )
+        label = f"{weights_name}" + (f" (`{flags}`)" if flags else "")
+        sizes = f"{plan.weights / GIB:.1f} | {plan.per_call / GIB:.2f}"
+        lines.append(f"| {label} | {kv_name} | {sizes} | {calls} |")
+    return "\n".join(lines)
