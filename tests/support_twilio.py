@@ -523,8 +523,10 @@ class BridgeHarness:
     def bridge(self) -> Any:
         return self.app.state.twilio
 
+    api_token: str = API_TOKEN
+
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.url + path, headers={"Authorization": f"Bearer {API_TOKEN}"}, timeout=10)
+        return httpx.get(self.url + path, headers={"Authorization": f"Bearer {self.api_token}"}, timeout=10)
 
     def record(self, call_sid: str) -> dict[str, Any]:
         response = self.get(f"/twilio/calls/{call_sid}")
@@ -539,6 +541,8 @@ def bridge_harness(
     *,
     engine: Any = None,
     manager_options: Mapping[str, Any] | None = None,
+    auth_token: str = "harness-auth-token",
+    api_token: str = API_TOKEN,
     **settings: Any,
 ) -> Any:
     """A real server app (echo engine unless given) under a real uvicorn in this process, the
@@ -551,7 +555,6 @@ def bridge_harness(
     from personaplex_voice.server.config import ServerSettings
     from personaplex_voice.sessions import SessionManager
 
-    auth_token = "harness-auth-token"
     personas = tmp_path / "personas.yaml"
     personas.write_text(personas_yaml)
     options = {"idle_timeout_s": None, **(manager_options or {})}
@@ -563,12 +566,14 @@ def bridge_harness(
             account_sid=ACCOUNT_SID,
             auth_token=auth_token,
             public_url=server.url,
-            api_token=API_TOKEN,
+            api_token=api_token,
             personas_file=personas,
             **settings,
         )
         mount(app, twilio_settings, http_client=cloud)
-        yield BridgeHarness(server.url, cloud, manager, TwilioSimulator(server.url, auth_token), app)
+        yield BridgeHarness(
+            server.url, cloud, manager, TwilioSimulator(server.url, auth_token), app, api_token
+        )
 
 
 # --- a plain local HTTP server: a CRM's context lookup, a post-call webhook sink ---------------------

@@ -112,7 +112,7 @@ async function poll() {
   if (!key || polling) return; // one poll at a time: a slow one is not overtaken
   polling = true;
   try {
-    const listing = await (await api("/twilio/calls")).json();
+    const listing = await (await api("/twilio/calls?live_metrics=0")).json();
     const liveSids = new Set(listing.live.map((c) => c.call_sid));
     state.live = listing.live;
     state.past = [...listing.calls.slice().reverse(), ...listing.earlier_calls].filter(

@@ -2,7 +2,7 @@
 
 | route                                   | what                                                   |
 | --------------------------------------- | ------------------------------------------------------ |
-| `GET /twilio/calls`                     | live calls (metrics, levels), recent calls' summaries  |
+| `GET /twilio/calls[?live_metrics=0]`    | live calls (metrics, levels), recent calls' summaries  |
 | `GET /twilio/calls/{sid}[?since=N]`     | one call's record (transcript from piece N on)         |
 | `GET /twilio/calls/{sid}/recording`     | its stereo WAV (caller left, agent right)              |
 | `GET /calls`                            | the calls page (web/calls.html; it asks for the key)   |
@@ -45,6 +45,8 @@ class CallsApi:
         if manager is None:
             return JSONResponse({"error": "the engine is still loading"}, status_code=503)
         streams = list(self.registry.live.items())
+        # The full per-stream metrics sort thousands of samples each: the page, which polls, skips them.
+        with_metrics = request.query_params.get("live_metrics", "1") != "0"
         recent = [r.summary() for r in list(self.registry.calls.values())[-LIST_LIMIT:]]
         seen = {r["call_sid"] for r in recent}
         earlier = [r for r in self.bridge.past if r["call_sid"] not in seen][
@@ -55,7 +57,7 @@ class CallsApi:
                 "capacity": manager.capacity,
                 "active_sessions": manager.active_count,
                 "reserved": manager.reserved_count,
-                "live_streams": {sid: call.metrics() for sid, call in streams},
+                "live_streams": {sid: call.metrics() for sid, call in streams} if with_metrics else {},
                 "live": [call.live_view() for _, call in streams],
                 "calls": recent,
                 "earlier_calls": earlier,
