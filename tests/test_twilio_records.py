@@ -53,17 +53,27 @@ def speechlike(seconds: float, seed: int = 3) -> np.ndarray:
     return (0.3 * noise * envelope).astype(np.float32)
 
 
-def best_correlation(a: np.ndarray, b: np.ndarray, max_lag: int = 320) -> float:
-    """Largest normalized correlation of `a` and `b` over lags of up to `max_lag` samples."""
-    best = 0.0
-    n = min(len(a), len(b)) - 2 * max_lag
-    for lag in range(-max_lag, max_lag + 1, 1):
-        x = a[max_lag : max_lag + n]
-        y = b[max_lag + lag : max_lag + lag + n]
-        denom = np.linalg.norm(x) * np.linalg.norm(y)
-        if denom > 0:
-            best = max(best, float(np.dot(x, y) / denom))
-    return best
+def blockwise_correlation(
+    ours: np.ndarray, theirs: np.ndarray, block_s: float = 1.0, max_lag_s: float = 0.25
+) -> float:
+    """Mean over 1 s blocks of each block's best normalized correlation within ±`max_lag_s`.
+
+    Our recording places the agent's audio by the server's model of Twilio's buffer; the
+    simulator by when its own (busy, shared-CPU) event loop got each message. Under load the two
+    timelines drift apart by tens of ms, so each block is aligned on its own."""
+    from scipy.signal import correlate
+
+    block, lag = round(block_s * RATE), round(max_lag_s * RATE)
+    scores = []
+    for start in range(lag, min(len(ours), len(theirs)) - block - lag, block):
+        a = ours[start : start + block]
+        b = theirs[start - lag : start + block + lag]
+        c = correlate(b, a, mode="valid")
+        energy = np.sqrt(np.convolve(b**2, np.ones(block), "valid"))
+        denom = np.linalg.norm(a) * energy
+        if np.linalg.norm(a) > 0:
+            scores.append(float(np.max(c / np.maximum(denom, 1e-12))))
+    return float(np.mean(scores)) if scores else 0.0
 
 
 async def call_for(sim: TwilioSimulator, seconds: float):
@@ -105,7 +115,7 @@ async def test_a_recorded_call_is_stereo_as_heard_with_its_transcript(tmp_path) 
     # Right: what the caller heard, where the caller heard it.
     heard = call.played_audio()
     n = min(len(heard), len(audio))
-    assert best_correlation(audio[:n, 1], heard[:n]) >= 0.8
+    assert blockwise_correlation(audio[:n, 1], heard[:n]) >= 0.8
     # The transcript is the agent's text, one piece per engine frame, in order.
     pieces = record["transcript"]
     frames = record["metrics"]["session"]["frames_out"]

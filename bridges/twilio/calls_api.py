@@ -67,9 +67,13 @@ class CallsApi:
 
     def _record(self, call_sid: str) -> dict[str, Any] | None:
         record = self.registry.calls.get(call_sid)
-        if record is not None:
-            return record.to_dict()
-        return self.store.load(call_sid) if self.store is not None else None
+        on_disk = self.store.load(call_sid) if self.store is not None else None
+        if record is None:
+            return on_disk
+        found = record.to_dict()
+        if on_disk is not None and not record.live:  # an ended call's transcript is on disk only
+            found["transcript"] = on_disk.get("transcript", [])
+        return found
 
     async def call(self, request: Request) -> Response:
         if not self.bridge.authorized(request):

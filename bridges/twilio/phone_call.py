@@ -67,6 +67,7 @@ class PhoneCall:
         self.files: CallFiles | None = None
         self.recording: CallRecording | None = None
         self._flushed_at = 0.0
+        self._final: dict[str, Any] | None = None
         self.finished = False
         record.live = True
         record.started_at = time.time()
@@ -172,7 +173,11 @@ class PhoneCall:
         files, outputs = self.files, self.outputs
         # JSON of a long call's transcript takes milliseconds: not on the event loop.
         body = await asyncio.to_thread(_encode_and_save, files, snapshot)
+        if files is not None:
+            record.transcript = []  # it is on disk now; the call list keeps only the summary
         if self.spec.webhook_url:
+            # Kept until the delivery's outcome is written into it (the record on disk).
+            self._final = snapshot
             outputs.webhooks.send(
                 self.spec.webhook_url, outputs.secret_for(self.spec), body, on_done=self._webhook_done
             )
@@ -183,9 +188,11 @@ class PhoneCall:
 
     def _webhook_done(self, outcome: dict[str, Any]) -> None:
         self.record.webhook = outcome
-        if self.files is not None:
-            files, snapshot = self.files, self.record.to_dict()
-            asyncio.get_running_loop().run_in_executor(None, files.write_record, snapshot)
+        snapshot, self._final = self._final, None
+        if self.files is not None and snapshot is not None:
+            snapshot["webhook"] = outcome
+            snapshot.pop("recording_url", None)
+            asyncio.get_running_loop().run_in_executor(None, self.files.write_record, snapshot)
 
 
 def _encode_and_save(files: CallFiles | None, snapshot: dict[str, Any]) -> bytes:
