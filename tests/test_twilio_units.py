@@ -300,3 +300,29 @@ def test_documented_messages_parse() -> None:
         {"type": "websocket.receive", "text": '{"event": "connected", "protocol": "Call"}'}, 1024
     )
     assert message["event"] == "connected"
+
+
+def test_the_wire_format_module_imports_nothing_of_the_bridge() -> None:
+    import ast
+    import inspect
+
+    from personaplex_twilio import wire
+
+    tree = ast.parse(inspect.getsource(wire))
+    imported = [
+        (node.level, getattr(node, "module", None) or "")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    ] + [(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert all(level == 0 for level, _ in imported)  # no relative import: nothing of the bridge
+    assert not [name for _, name in imported if name.startswith(("personaplex", "starlette", "fastapi"))]
+
+
+def test_a_prompt_template_renders_declared_values_and_literal_braces() -> None:
+    from personaplex_twilio.context import PromptTemplate, clean_value
+
+    template = PromptTemplate.parse("Hi {name}, {{not a field}} from {From}.")
+    assert template.fields == {"name", "From"}
+    assert template.render({"name": "Omar", "From": "+1555"}) == "Hi Omar, {not a field} from +1555."
+    assert clean_value("two\nlines\x00") == "two lines" and clean_value(True) == "yes"
+    assert clean_value({"a": 1}) is None
