@@ -440,8 +440,12 @@ async def test_thousand_open_close_cycles_leave_nothing_behind(manager_factory):
     assert manager.active_count == 0 and manager.queued_count == 0 and manager.sessions == []
     await wait_until(lambda: not any(engine.slot_in_use(i) for i in range(4)))
     assert manager._scheduler.settled and not manager._queue
-    gc.collect()
-    assert len(alive) == 0, "the manager keeps sessions alive"
+
+    def none_alive() -> bool:  # the inference thread may hold its last batch until its next wait
+        gc.collect()
+        return len(alive) == 0
+
+    await wait_until(none_alive, timeout=2.0)  # else: the manager keeps sessions alive
     snap = manager.metrics.snapshot()
     assert snap["sessions_opened_total"] == 1000
     assert sum(snap["sessions_closed_total"].values()) == 1000

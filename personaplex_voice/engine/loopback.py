@@ -89,6 +89,9 @@ class LoopbackEngine:
         self.steps = 0
         self.releases = 0
 
+    def warmup(self) -> None:
+        """Nothing to warm: numpy only."""
+
     def voices(self) -> list[VoiceInfo]:
         return [VoiceInfo(name=name, kind="embeddings", source="loopback") for name in LOOPBACK_VOICES]
 
