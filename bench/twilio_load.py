@@ -17,7 +17,14 @@
    simulator - 20 ms|. Also printed: the simulators' own late-frame count, the server's CPU time
    per call-second, and the delay variation against a perfect 20 ms clock.
 
-Last line: {"max_calls_no_late_frames": …, "p99_outbound_jitter_ms": …, "bridge_delay_ms": …, ...}
+3. Records (`--records-calls N`, default 25; 0 skips it): the server's CPU per call-second at N
+   calls of `--records-seconds` (10) with call records and stereo recordings on (`--records-dir`,
+   a persona with `record: true`; the echo engine says a text piece every frame, so every frame
+   also goes to the transcript) beside the same calls with them off, in alternating rounds
+   (`--records-rounds`) so the shared machine's drift hits both alike. `--records-only` runs just this part.
+
+Last line: {"max_calls_no_late_frames": …, "p99_outbound_jitter_ms": …, "bridge_delay_ms": …,
+"records_extra_cpu_ms_per_call_second": …, ...}
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +48,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 AUTH_TOKEN = "bench-auth-token"
 API_TOKEN = "bench-api-token"
 RATE = 8000
+SERVER_ENV = {
+    "TWILIO_AUTH_TOKEN": AUTH_TOKEN,
+    "TWILIO_ACCOUNT_SID": "",
+    "PUBLIC_URL": "",
+    "PERSONAPLEX_TWILIO_API_TOKEN": API_TOKEN,
+    "PERSONAPLEX_LOG_LEVEL": "warning",
+}
 
 
 # --- 1. bridge delay --------------------------------------------------------------------------
@@ -273,6 +288,46 @@ def wait_idle(base_url: str, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def records_cost(calls: int, seconds: float, processes: int, ramp_s: float, rounds: int) -> dict:
+    """Server CPU per call-second with call records + recordings on, beside off (one run)."""
+    from support_server import running_server
+
+    cost: dict[str, list[float]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory(prefix="twilio-records-") as tmp:
+        personas = Path(tmp) / "personas.yaml"
+        personas.write_text("default: desk\npersonas:\n  desk: {text_prompt: 'Hello.', record: true}\n")
+        for _ in range(rounds):
+            for mode in ("off", "on"):
+                env = {**SERVER_ENV, "PERSONAPLEX_TWILIO_PERSONAS_FILE": str(personas)}
+                extra = ["--records-dir", str(Path(tmp) / "records")] if mode == "on" else []
+                with running_server(
+                    "--twilio", "--max-sessions", str(calls), "--log-level", "warning", *extra, env=env
+                ) as server:
+                    cpu0 = cpu_seconds(server.process.pid)
+                    row = run_level(server.url, calls, seconds, processes, ramp_s)
+                    cpu = cpu_seconds(server.process.pid) - cpu0
+                    wait_idle(server.url)
+                if row["errors"] or row["closed_early"]:
+                    raise RuntimeError(f"records {mode}: {row}")
+                cost[mode].append(1000 * cpu / (calls * seconds))
+        recorded = sorted((Path(tmp) / "records").glob("CA*/recording.wav"))
+        wav_bytes = sum(p.stat().st_size for p in recorded)
+    off, on = float(np.mean(cost["off"])), float(np.mean(cost["on"]))
+    return {
+        "records_calls": calls,
+        "records_seconds_per_call": seconds,
+        "records_rounds": rounds,
+        "records_off_cpu_ms_per_call_second": round(off, 2),
+        "records_on_cpu_ms_per_call_second": round(on, 2),
+        "records_extra_cpu_ms_per_call_second": round(on - off, 2),
+        "records_each_round_off_on": [
+            [round(a, 2), round(b, 2)] for a, b in zip(cost["off"], cost["on"], strict=True)
+        ],
+        "recordings_written": len(recorded),
+        "recording_kib_per_call_second": round(wav_bytes / 1024 / max(1, len(recorded)) / seconds, 1),
+    }
+
+
 def ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
@@ -296,7 +351,28 @@ def main() -> None:
         default=10.0,
         help="one call starts every this many ms (0: all at once, a connection storm)",
     )
+    parser.add_argument(
+        "--records-calls", type=int, default=25, help="calls for the records on/off comparison (0: skip)"
+    )
+    parser.add_argument("--records-rounds", type=int, default=3, help="off/on rounds of that comparison")
+    parser.add_argument(
+        "--records-seconds",
+        type=float,
+        default=10.0,
+        help="call length in that comparison (a call's fixed costs spread over it)",
+    )
+    parser.add_argument("--records-only", action="store_true", help="run only the records comparison")
     args = parser.parse_args()
+    if args.records_only:
+        result = records_cost(
+            args.records_calls or 25,
+            args.records_seconds,
+            args.processes,
+            args.ramp_ms / 1000,
+            args.records_rounds,
+        )
+        print(json.dumps(result))
+        return
     levels = [int(v) for v in args.levels.split(",")]
 
     delays = bridge_delays()
@@ -305,13 +381,7 @@ def main() -> None:
 
     from support_server import running_server
 
-    env = {
-        "TWILIO_AUTH_TOKEN": AUTH_TOKEN,
-        "TWILIO_ACCOUNT_SID": "",
-        "PUBLIC_URL": "",
-        "PERSONAPLEX_TWILIO_API_TOKEN": API_TOKEN,
-        "PERSONAPLEX_LOG_LEVEL": "warning",
-    }
+    env = dict(SERVER_ENV)
     best, best_jitter, rows = 0, None, []
     sim_late_at_best = None
     cost = None
@@ -369,6 +439,16 @@ def main() -> None:
         "ramp_ms": args.ramp_ms,
         "cpu_count": os.cpu_count(),
     }
+    if args.records_calls:
+        summary.update(
+            records_cost(
+                args.records_calls,
+                args.records_seconds,
+                args.processes,
+                args.ramp_ms / 1000,
+                args.records_rounds,
+            )
+        )
     print(json.dumps(summary))
 
 

@@ -32,9 +32,12 @@ import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+from twilio.http import HttpClient
+from twilio.http.response import Response
 from twilio.request_validator import RequestValidator
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -97,6 +100,8 @@ class SimulatedCall:
     close_code: int | None = None
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _sid_tail: str = ""  # `,"streamSid":"MZ…"}`, the end of every media message
+    keep_sent: bool = False  # keep every μ-law byte sent in `sent` (tests of recordings)
+    sent: bytearray = field(default_factory=bytearray)
 
     # --- sending, as Twilio does -----------------------------------------------------------
     def _next_seq(self) -> str:
@@ -120,6 +125,8 @@ class SimulatedCall:
             self.t0 = now
         self.chunk += 1
         self.seq += 1
+        if self.keep_sent:
+            self.sent += payload if isinstance(payload, bytes) else base64.b64decode(payload)
         if isinstance(payload, bytes):
             payload = base64.b64encode(payload).decode("ascii")
         text = _MEDIA_TEMPLATE % (self.seq, self.chunk, round((now - self.t0) * 1000), payload)
@@ -289,8 +296,10 @@ class TwilioSimulator:
         return httpx.post(self.base_url + path, data=dict(form), headers=headers, timeout=timeout)
 
     def voice_webhook(
-        self, to: str = "+15550100001", from_: str = "+15550100002", **kw: Any
+        self, to: str = "+15550100001", from_: str = "+15550100002", *, query: str = "", **kw: Any
     ) -> httpx.Response:
+        """The signed incoming-call webhook; `query` (e.g. "customer_name=Omar%20Torres") is what
+        a Studio flow or `<Redirect>` adds to the URL, signed with it."""
         form = {
             "AccountSid": ACCOUNT_SID,
             "CallSid": kw.pop("call_sid", None) or sid("CA"),
@@ -300,18 +309,25 @@ class TwilioSimulator:
             "Direction": "inbound",
             "ApiVersion": "2010-04-01",
         }
-        return self.post_webhook("/twilio/voice", form, **kw)
+        return self.post_webhook("/twilio/voice" + (f"?{query}" if query else ""), form, **kw)
 
     def answer(
-        self, to: str = "+15550100001", from_: str = "+15550100002"
+        self, to: str = "+15550100001", from_: str = "+15550100002", *, query: str = "", timeout: float = 10.0
     ) -> tuple[str, str, dict[str, str]]:
         """An incoming call: the signed voice webhook, then the Stream it answered with.
         Returns (call_sid, stream_url, parameters); fails on anything but `<Connect><Stream>`."""
         call_sid = sid("CA")
-        response = self.voice_webhook(to=to, from_=from_, call_sid=call_sid)
+        response = self.voice_webhook(to=to, from_=from_, call_sid=call_sid, query=query, timeout=timeout)
         assert response.status_code == 200, response.text
         url, params = parse_stream_twiml(response.text)
         return call_sid, url, params
+
+    def follow(self, url: str, call_sid: str, to: str = "+15550100001") -> httpx.Response:
+        """Twilio fetching a URL of ours that it was told to go to (a `<Redirect>`), signed."""
+        parts = urlsplit(url)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        form = {"AccountSid": ACCOUNT_SID, "CallSid": call_sid, "To": to, "CallStatus": "in-progress"}
+        return self.post_webhook(path, form)
 
     def status_callback(self, call_sid: str, status: str, **extra: str) -> httpx.Response:
         form = {"AccountSid": ACCOUNT_SID, "CallSid": call_sid, "CallStatus": status, **extra}
@@ -396,6 +412,55 @@ def sine_fit_snr_db(x: np.ndarray, freq: float, rate: int = RATE) -> float:
     return float(10 * np.log10(np.mean(fitted**2) / max(noise, 1e-20)))
 
 
+# --- Twilio's REST cloud, faked at its HTTP boundary ------------------------------------------------
+
+
+@dataclass
+class Sent:
+    method: str
+    url: str
+    data: dict
+    auth: tuple | None
+
+
+class FakeTwilioCloud(HttpClient):
+    """Twilio's REST cloud at its HTTP boundary (a `twilio.http.HttpClient` handed to the
+    bridge): answers Calls create (201) and update (200) like api.twilio.com, records every
+    request. `refuse_updates` makes every call update a 400 (Twilio refusing new TwiML)."""
+
+    def __init__(self) -> None:
+        super().__init__(logger=None, is_async=False)
+        self.requests: list[Sent] = []
+        self.created = 0
+        self.refuse_updates = False
+
+    def request(self, method, uri, params=None, data=None, headers=None, auth=None, timeout=None, **kw):
+        self.requests.append(Sent(method, uri, dict(data or {}), auth))
+        path = urlsplit(uri).path
+        if method == "POST" and path.endswith("/Calls.json"):
+            self.created += 1
+            sid = "CA" + f"{self.created:032x}"
+            body = {"sid": sid, "account_sid": ACCOUNT_SID, "status": "queued", "to": data["To"]}
+            return Response(201, json.dumps(body))
+        if method == "POST" and "/Calls/CA" in path:
+            sid = path.rsplit("/", 1)[1].removesuffix(".json")
+            if self.refuse_updates:
+                return Response(400, json.dumps({"code": 21220, "message": "not in progress", "status": 400}))
+            return Response(200, json.dumps({"sid": sid, "account_sid": ACCOUNT_SID, "status": "completed"}))
+        return Response(404, json.dumps({"code": 20404, "message": "not found", "status": 404}))
+
+    def hangups(self) -> list[str]:
+        return [
+            urlsplit(r.url).path.rsplit("/", 1)[1].removesuffix(".json")
+            for r in self.requests
+            if "/Calls/CA" in r.url and r.data.get("Status") == "completed"
+        ]
+
+    def updates(self) -> list[Sent]:
+        """Call updates carrying new instructions (TwiML or a URL), in order."""
+        return [r for r in self.requests if "/Calls/CA" in r.url and ("Twiml" in r.data or "Url" in r.data)]
+
+
 # --- an in-process server, for tests that must reach inside (a fake Twilio REST cloud) -------------
 
 
@@ -439,3 +504,135 @@ def blockwise_snr_db(x: np.ndarray, freq: float, block_s: float = 0.1, rate: int
     whole echo (a frame of silence inserted by a late tick) does not spoil the rest."""
     n = round(block_s * rate)
     return np.array([sine_fit_snr_db(x[i : i + n], freq, rate) for i in range(0, len(x) - n + 1, n)])
+
+
+# --- the bridge in this process, with the fake REST cloud --------------------------------------------
+
+API_TOKEN = "bridge-test-api-token"
+
+
+@dataclass
+class BridgeHarness:
+    url: str
+    cloud: FakeTwilioCloud
+    manager: Any
+    sim: TwilioSimulator
+    app: Any
+
+    @property
+    def bridge(self) -> Any:
+        return self.app.state.twilio
+
+    api_token: str = API_TOKEN
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, headers={"Authorization": f"Bearer {self.api_token}"}, timeout=10)
+
+    def record(self, call_sid: str) -> dict[str, Any]:
+        response = self.get(f"/twilio/calls/{call_sid}")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+@contextlib.contextmanager
+def bridge_harness(
+    personas_yaml: str,
+    tmp_path: Any,
+    *,
+    engine: Any = None,
+    manager_options: Mapping[str, Any] | None = None,
+    auth_token: str = "harness-auth-token",
+    api_token: str = API_TOKEN,
+    **settings: Any,
+) -> Any:
+    """A real server app (echo engine unless given) under a real uvicorn in this process, the
+    bridge mounted with `personas_yaml` and `settings`, Twilio's REST cloud faked."""
+    from personaplex_twilio import mount
+    from personaplex_twilio.config import TwilioSettings
+
+    from personaplex_voice.engine.loopback import LoopbackEngine
+    from personaplex_voice.server.app import create_app
+    from personaplex_voice.server.config import ServerSettings
+    from personaplex_voice.sessions import SessionManager
+
+    personas = tmp_path / "personas.yaml"
+    personas.write_text(personas_yaml)
+    options = {"idle_timeout_s": None, **(manager_options or {})}
+    manager = SessionManager(engine or LoopbackEngine(num_slots=2), **options)
+    app = create_app(ServerSettings(engine="echo", tune_runtime=False), manager=manager)
+    cloud = FakeTwilioCloud()
+    with running_app(app) as server:
+        twilio_settings = TwilioSettings(
+            account_sid=ACCOUNT_SID,
+            auth_token=auth_token,
+            public_url=server.url,
+            api_token=api_token,
+            personas_file=personas,
+            **settings,
+        )
+        mount(app, twilio_settings, http_client=cloud)
+        yield BridgeHarness(
+            server.url, cloud, manager, TwilioSimulator(server.url, auth_token), app, api_token
+        )
+
+
+# --- a plain local HTTP server: a CRM's context lookup, a post-call webhook sink ---------------------
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class HttpSink:
+    """An HTTP server on 127.0.0.1 in a thread. Each POST is recorded, then answered by
+    `answer(request_number) -> (status, json body)`, after `delay_s` (a server that hangs)."""
+
+    def __init__(self, answer: Any = None, delay_s: float = 0.0):
+        import http.server
+        import threading
+
+        sink = self
+        self.answer = answer or (lambda n: (200, {}))
+        self.delay_s = delay_s
+        self.received: list[Received] = []
+        self.got = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                sink.received.append(
+                    Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+                )
+                sink.got.set()
+                if sink.delay_s:
+                    time.sleep(sink.delay_s)
+                status, payload = sink.answer(len(sink.received))
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass  # the client gave up waiting
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> HttpSink:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

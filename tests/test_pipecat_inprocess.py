@@ -59,7 +59,7 @@ async def test_echo_call_frames_text_and_metrics(user_16k) -> None:
     manager = SessionManager(engine)
     # Nothing plays the output here, so the playout gate is off: on a loaded CI machine a starved
     # event loop delivers frames in bursts, which the gate would (rightly) drop. The gate has its
-    # own tests (test_pipecat_pacing.py) and runs in the Twilio example test.
+    # own tests (test_pipecat_utterance_playout.py) and runs in the Twilio example test.
     service = PersonaPlexLLMService(manager=manager, text_prompt="You are an echo.", max_audio_ahead_s=None)
     try:
         result = await run_call(

@@ -1,103 +1,43 @@
 """Call control: outbound calls (endpoint and CLI), hang-ups when a session ends on the server,
-DTMF, status callbacks. Twilio's REST cloud is the one thing faked, at its HTTP boundary: a
-`twilio.http.HttpClient` that records requests and answers like the API. The server is the real
-app under a real uvicorn, in this process so the fake can be handed to it.
+DTMF, status callbacks. Twilio's REST cloud is the one thing faked, at its HTTP boundary
+(support_twilio.FakeTwilioCloud). The server is the real app under a real uvicorn, in this
+process so the fake can be handed to it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import numpy as np
-import personaplex_twilio
 import pytest
-from personaplex_twilio.config import TwilioSettings
-from support_twilio import ACCOUNT_SID, TwilioSimulator, parse_stream_twiml, running_app
-from twilio.http import HttpClient
-from twilio.http.response import Response
-
-from personaplex_voice.engine.loopback import LoopbackEngine
-from personaplex_voice.server.app import create_app
-from personaplex_voice.server.config import ServerSettings
-from personaplex_voice.sessions import SessionManager
+from support_twilio import ACCOUNT_SID, BridgeHarness, FakeTwilioCloud, bridge_harness, parse_stream_twiml
 
 AUTH_TOKEN = "calls-test-auth-token"
 API_TOKEN = "calls-test-api-token"
 API = f"https://api.twilio.com/2010-04-01/Accounts/{ACCOUNT_SID}/Calls"
 
 
-@dataclass
-class Sent:
-    method: str
-    url: str
-    data: dict
-    auth: tuple | None
-
-
-class FakeTwilioCloud(HttpClient):
-    """Answers Calls create (201) and update (200) like api.twilio.com; records every request."""
-
-    def __init__(self) -> None:
-        super().__init__(logger=None, is_async=False)
-        self.requests: list[Sent] = []
-        self.created = 0
-
-    def request(self, method, uri, params=None, data=None, headers=None, auth=None, timeout=None, **kw):
-        self.requests.append(Sent(method, uri, dict(data or {}), auth))
-        path = urlsplit(uri).path
-        if method == "POST" and path.endswith("/Calls.json"):
-            self.created += 1
-            sid = "CA" + f"{self.created:032x}"
-            body = {"sid": sid, "account_sid": ACCOUNT_SID, "status": "queued", "to": data["To"]}
-            return Response(201, json.dumps(body))
-        if method == "POST" and "/Calls/CA" in path:
-            sid = path.rsplit("/", 1)[1].removesuffix(".json")
-            return Response(200, json.dumps({"sid": sid, "account_sid": ACCOUNT_SID, "status": "completed"}))
-        return Response(404, json.dumps({"code": 20404, "message": "not found", "status": 404}))
-
-    def hangups(self) -> list[str]:
-        return [
-            urlsplit(r.url).path.rsplit("/", 1)[1].removesuffix(".json")
-            for r in self.requests
-            if "/Calls/CA" in r.url and r.data.get("Status") == "completed"
-        ]
-
-
-@dataclass
-class Harness:
-    url: str
-    cloud: FakeTwilioCloud
-    manager: SessionManager
-    sim: TwilioSimulator
-    app: object
-
-
 @pytest.fixture
-def harness(tmp_path) -> Iterator[Harness]:
-    personas = tmp_path / "personas.yaml"
-    personas.write_text(
+def harness(tmp_path) -> Iterator[BridgeHarness]:
+    personas = (
         "default: desk\npersonas:\n  desk: {text_prompt: 'Front desk.'}\n  sales: {text_prompt: 'Sales.'}\n"
     )
     # The manager ends sessions after 1.5 s of audio: a server-side end the bridge must act on.
-    manager = SessionManager(LoopbackEngine(num_slots=2), max_call_s=1.5, idle_timeout_s=None)
-    app = create_app(ServerSettings(engine="echo"), manager=manager)
-    cloud = FakeTwilioCloud()
-    with running_app(app) as server:
-        settings = TwilioSettings(
-            account_sid=ACCOUNT_SID,
-            auth_token=AUTH_TOKEN,
-            public_url=server.url,
-            api_token=API_TOKEN,
-            personas_file=personas,
-            hangup_digits="#",
-        )
-        personaplex_twilio.mount(app, settings, http_client=cloud)
-        yield Harness(server.url, cloud, manager, TwilioSimulator(server.url, AUTH_TOKEN), app)
+    with bridge_harness(
+        personas,
+        tmp_path,
+        manager_options={"max_call_s": 1.5},
+        auth_token=AUTH_TOKEN,
+        api_token=API_TOKEN,
+        hangup_digits="#",
+    ) as h:
+        yield h
+
+
+Harness = BridgeHarness
 
 
 def calls_state(h: Harness) -> dict:
@@ -290,3 +230,33 @@ async def test_a_dtmf_message_with_two_digits_is_refused_saying_what_came(harnes
     state = await asyncio.to_thread(calls_state, harness)
     record = next(c for c in state["calls"] if c["call_sid"] == call_sid)
     assert record["end_reason"] == 'protocol error: `dtmf` needs one digit, got `digit` "12"'
+
+
+def test_outbound_calls_carry_template_variables_in_the_signed_webhook_url(monkeypatch, tmp_path) -> None:
+    import personaplex_twilio.cli as twilio_cli
+
+    from personaplex_voice.cli import main
+
+    personas = tmp_path / "p.yaml"
+    personas.write_text(
+        "personas:\n  default: {text_prompt: 'Hi {customer_name}.', variables: {customer_name: there}}\n"
+    )
+    cloud = FakeTwilioCloud()
+    monkeypatch.setattr(twilio_cli, "make_http_client", lambda: cloud)
+    monkeypatch.setenv("TWILIO_ACCOUNT_SID", ACCOUNT_SID)
+    monkeypatch.setenv("TWILIO_AUTH_TOKEN", AUTH_TOKEN)
+    monkeypatch.setenv("PUBLIC_URL", "https://voice.example.test")
+    monkeypatch.setenv("PERSONAPLEX_TWILIO_PERSONAS_FILE", str(personas))
+    main(["call", "--to", "+15550003333", "--from", "+15550004444", "--var", "customer_name=Omar Torres"])
+    (sent,) = cloud.requests
+    assert parse_qs(urlsplit(sent.data["Url"]).query) == {"customer_name": ["Omar Torres"]}
+    with pytest.raises(SystemExit):
+        main(["call", "--to", "+15550003333", "--from", "+15550004444", "--var", "account=1"])
+
+
+def test_the_outbound_endpoint_refuses_undeclared_variables(harness: Harness) -> None:
+    good = {"Authorization": f"Bearer {API_TOKEN}"}
+    body = {"to": "+15550001111", "from": "+15550002222", "variables": {"account": "1"}}
+    response = httpx.post(harness.url + "/twilio/call", json=body, headers=good)
+    assert response.status_code == 400 and "account" in response.json()["error"]
+    assert harness.cloud.requests == []

@@ -320,6 +320,9 @@ def test_examples_personas_file_loads() -> None:
     root = Path(__file__).resolve().parents[1]
     book = PersonaBook.load(root / "examples" / "twilio_personas.yaml")
     assert book.default in book.personas
+    center = book.spec(book.for_number("+15551230003"))  # the contact-center example
+    assert center.variables and center.record and {r.kind for r in center.actions} >= {"transfer", "play"}
+    assert "{" not in center.render({}).text_prompt
 
 
 async def test_a_stream_token_only_opens_its_own_call(server, sim) -> None:

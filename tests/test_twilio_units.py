@@ -11,10 +11,10 @@ import pytest
 from personaplex_twilio import twiml
 from personaplex_twilio.audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
 from personaplex_twilio.config import TwilioSettings
-from personaplex_twilio.media_stream import ProtocolError, parse_message
-from personaplex_twilio.pacing import CHUNK_S, MarkTracker, PlaybackClock
 from personaplex_twilio.personas import PersonaBook, normalize_number
+from personaplex_twilio.playback_buffer import CHUNK_S, MarkTracker, PlaybackClock
 from personaplex_twilio.signatures import SignatureChecker, public_url_of
+from personaplex_twilio.wire import ProtocolError, parse_message
 from starlette.requests import Request
 from support_twilio import sine_fit_snr_db, tone
 from twilio.request_validator import RequestValidator
@@ -30,16 +30,16 @@ TOKEN = "unit-auth-token"
 
 def test_settings_read_twilios_standard_variables(monkeypatch) -> None:
     monkeypatch.setenv("TWILIO_ACCOUNT_SID", "AC123")
-    monkeypatch.setenv("TWILIO_AUTH_TOKEN", "secret")
+    monkeypatch.setenv("TWILIO_AUTH_TOKEN", "tok-3f9a1c")
     monkeypatch.setenv("PUBLIC_URL", "https://abc.example.test/")
     monkeypatch.setenv("PERSONAPLEX_TWILIO_MAX_CALL_S", "60")
     settings = TwilioSettings()
     assert settings.account_sid == "AC123"
-    assert settings.auth_token.get_secret_value() == "secret"
+    assert settings.auth_token.get_secret_value() == "tok-3f9a1c"
     assert settings.public_url == "https://abc.example.test"
     assert settings.max_call_s == 60
     assert settings.validate_signatures
-    assert "secret" not in repr(settings)
+    assert "tok-3f9a1c" not in repr(settings)
 
 
 def test_signatures_are_required_unless_the_dev_flag_is_set(monkeypatch) -> None:
@@ -262,7 +262,7 @@ def test_outbound_messages_are_the_documented_json() -> None:
     import base64
     import json
 
-    from personaplex_twilio.media_stream import OutboundMessages
+    from personaplex_twilio.wire import OutboundMessages
 
     for stream_sid in ("MZ" + "0" * 32, 'MZ"odd\\sid\u00e9'):
         messages = OutboundMessages(stream_sid)
@@ -300,3 +300,29 @@ def test_documented_messages_parse() -> None:
         {"type": "websocket.receive", "text": '{"event": "connected", "protocol": "Call"}'}, 1024
     )
     assert message["event"] == "connected"
+
+
+def test_the_wire_format_module_imports_nothing_of_the_bridge() -> None:
+    import ast
+    import inspect
+
+    from personaplex_twilio import wire
+
+    tree = ast.parse(inspect.getsource(wire))
+    imported = [
+        (node.level, getattr(node, "module", None) or "")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    ] + [(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert all(level == 0 for level, _ in imported)  # no relative import: nothing of the bridge
+    assert not [name for _, name in imported if name.startswith(("personaplex", "starlette", "fastapi"))]
+
+
+def test_a_prompt_template_renders_declared_values_and_literal_braces() -> None:
+    from personaplex_twilio.context import PromptTemplate, clean_value
+
+    template = PromptTemplate.parse("Hi {name}, {{not a field}} from {From}.")
+    assert template.fields == {"name", "From"}
+    assert template.render({"name": "Omar", "From": "+1555"}) == "Hi Omar, {not a field} from +1555."
+    assert clean_value("two\nlines\x00") == "two lines" and clean_value(True) == "yes"
+    assert clean_value({"a": 1}) is None

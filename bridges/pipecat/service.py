@@ -6,14 +6,15 @@ It takes the place of `OpenAIRealtimeLLMService` / `GeminiLiveLLMService` in a p
 
 User audio (`InputAudioRawFrame`, any rate) goes to the model continuously; the model is full
 duplex and decides by itself when to talk, listen, back-channel or stop for a barge-in. Its
-continuous 80 ms output frames are cut into utterances (see `pacing.UtteranceTracker`), each one
-sent as
+continuous 80 ms output frames are cut into utterances (see `utterance_playout.UtteranceTracker`),
+each one sent as
 
     LLMFullResponseStartFrame, TTSStartedFrame,
     TTSAudioRawFrame (pipeline output rate) ... with LLMTextFrame + TTSTextFrame per text piece,
     TTSStoppedFrame, LLMFullResponseEndFrame
 
-and at most one frame of audio is kept ahead of real-time playback (see `pacing.PlayoutGate`).
+and at most one frame of audio is kept ahead of real-time playback (see
+`utterance_playout.PlayoutGate`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from pipecat.utils.text.base_text_aggregator import TextType
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
 from .backends import Backend, BackendSession, BackendUnavailable, SessionLost, SessionRefused
-from .pacing import Edge, PlayoutGate, SpeechEndDetector, UtteranceTracker
+from .utterance_playout import Edge, PlayoutGate, SpeechEndDetector, UtteranceTracker
 
 FRAME_S = FRAME_SIZE / SAMPLE_RATE  # 0.08
 

@@ -1,4 +1,4 @@
-"""Call control through Twilio's REST API: place outbound calls, hang calls up.
+"""Call control through Twilio's REST API: place outbound calls, hang up, give a live call new TwiML.
 
 The `twilio` client is synchronous (it blocks on HTTP), so the async helpers run it in a worker
 thread. Tests hand the client a fake `twilio.http.HttpClient`, the one boundary we mock.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from urllib.parse import urlencode
 
 from personaplex_voice.errors import UserError
@@ -24,9 +25,21 @@ STATUS_PATH = "/twilio/status"
 MEDIA_STREAM_PATH = "/twilio/media-stream"
 
 
-def voice_webhook_url(public_url: str, persona: str | None = None, outbound_token: str | None = None) -> str:
-    """Our voice webhook; a query string is fine here (unlike Stream URLs) and Twilio signs it."""
-    query = {k: v for k, v in (("persona", persona), ("outbound", outbound_token)) if v}
+WHISPER_PATH = "/twilio/whisper"
+
+
+def voice_webhook_url(
+    public_url: str,
+    persona: str | None = None,
+    outbound_token: str | None = None,
+    *,
+    resume: str | None = None,
+    variables: Mapping[str, str] | None = None,
+) -> str:
+    """Our voice webhook; a query string is fine here (unlike Stream URLs) and Twilio signs it.
+    `variables` fill the persona's prompt template, as a Studio flow's query parameters do."""
+    query = {k: v for k, v in (("persona", persona), ("outbound", outbound_token), ("resume", resume)) if v}
+    query.update(variables or {})
     return public_url + VOICE_PATH + (("?" + urlencode(query)) if query else "")
 
 
@@ -63,6 +76,7 @@ class CallControl:
         outbound_token: str | None = None,
         public_url: str | None = None,
         time_limit_s: int | None = None,
+        variables: Mapping[str, str] | None = None,
     ) -> str:
         """Dial `to` from `from_`; when answered Twilio fetches our voice webhook. Returns the CallSid."""
         base = (public_url or self.settings.public_url).rstrip("/")
@@ -73,7 +87,7 @@ class CallControl:
             call = self.client.calls.create(
                 to=to,
                 from_=from_,
-                url=voice_webhook_url(base, persona, outbound_token),
+                url=voice_webhook_url(base, persona, outbound_token, variables=variables),
                 method="POST",
                 status_callback=base + STATUS_PATH,
                 status_callback_method="POST",
@@ -85,17 +99,40 @@ class CallControl:
         log.info("twilio: placed call %s to %s (persona %s)", call.sid, to, persona)
         return str(call.sid)
 
-    def hang_up(self, call_sid: str) -> None:
-        """End a live call (status=completed); errors are logged, never raised."""
+    def hang_up(self, call_sid: str) -> bool:
+        """End a live call (status=completed); errors are logged (False), never raised."""
         try:
             self.client.calls(call_sid).update(status="completed")
             log.info("twilio: hung up call %s", call_sid)
+            return True
         except (TwilioException, UserError) as exc:
             log.warning("twilio: could not hang up %s: %s", call_sid, exc)
+            return False
 
-    async def hang_up_async(self, call_sid: str) -> None:
-        if self.available:
-            await asyncio.to_thread(self.hang_up, call_sid)
+    async def hang_up_async(self, call_sid: str) -> bool:
+        if not self.available:
+            return False
+        return await asyncio.to_thread(self.hang_up, call_sid)
+
+    def update(self, call_sid: str, *, twiml: str | None = None, url: str | None = None) -> bool:
+        """Give a live call new instructions (TwiML text, or a URL Twilio fetches TwiML from):
+        Twilio stops what the call was doing (our stream too) and follows them. False, logged,
+        when Twilio refused or cannot be reached."""
+        try:
+            if url is not None:
+                self.client.calls(call_sid).update(url=url, method="POST")
+            else:
+                self.client.calls(call_sid).update(twiml=twiml)
+            return True
+        except (TwilioException, UserError) as exc:
+            log.warning("twilio: could not update call %s: %s", call_sid, exc)
+            return False
+
+    async def update_async(self, call_sid: str, *, twiml: str | None = None, url: str | None = None) -> bool:
+        if not self.available:
+            log.warning("twilio: no REST credentials: cannot update call %s", call_sid)
+            return False
+        return await asyncio.to_thread(lambda: self.update(call_sid, twiml=twiml, url=url))
 
     async def place_call_async(self, to: str, from_: str, **kwargs: object) -> str:
         return await asyncio.to_thread(lambda: self.place_call(to, from_, **kwargs))  # type: ignore[arg-type]

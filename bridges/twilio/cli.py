@@ -45,6 +45,10 @@ def call(
     time_limit: Annotated[
         int | None, typer.Option("--time-limit", help="Hang up after this many seconds", min=1)
     ] = None,
+    var: Annotated[
+        list[str] | None,
+        typer.Option("--var", help="NAME=VALUE for the persona's prompt template (repeatable)"),
+    ] = None,
 ) -> None:
     """Call a phone number and connect it to the agent (needs TWILIO_ACCOUNT_SID, TWILIO_AUTH_TOKEN)."""
     overrides: dict[str, object] = {}
@@ -56,11 +60,23 @@ def call(
         settings = TwilioSettings(**overrides)
     except ValueError as exc:
         raise UserError(f"bad Twilio settings: {exc}") from None
-    if persona is not None and settings.personas_file is not None:
+    if settings.personas_file is not None and (persona is not None or var):
         book = PersonaBook.load(settings.personas_file)
-        if persona not in book.personas:
-            known = ", ".join(sorted(book.personas))
-            raise UserError(f"unknown persona {persona!r} in {settings.personas_file} (known: {known})")
+        name = persona if persona is not None else book.default
+        if name not in book.specs:
+            known = ", ".join(sorted(book.specs))
+            raise UserError(f"unknown persona {name!r} in {settings.personas_file} (known: {known})")
+        undeclared = sorted(
+            {v.partition("=")[0].strip() for v in var or []} - set(book.specs[name].variables)
+        )
+        if undeclared:
+            raise UserError(f"persona {name!r} declares no variable(s) {', '.join(undeclared)}")
+    variables: dict[str, str] = {}
+    for item in var or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise UserError(f"--var {item!r}: give NAME=VALUE")
+        variables[name.strip()] = value
     control = CallControl(settings, http_client=make_http_client())
-    call_sid = control.place_call(to, from_, persona=persona, time_limit_s=time_limit)
+    call_sid = control.place_call(to, from_, persona=persona, time_limit_s=time_limit, variables=variables)
     typer.echo(call_sid)

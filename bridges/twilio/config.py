@@ -55,6 +55,24 @@ class TwilioSettings(BaseSettings):
     hangup_digits: str = ""
     busy_message: str = "Sorry, all our agents are busy right now. Please call again later."
     status_callback_events: tuple[str, ...] = ("initiated", "ringing", "answered", "completed")
+    # A call whose engine worker died hears this, then the call ends; or, when `engine_lost_twiml`
+    # is set, the call follows it instead: an http(s) URL of your TwiML, or TwiML text.
+    engine_lost_message: str = "Sorry, we lost the connection to our agent. Please call again."
+    engine_lost_twiml: str = ""
+    # A `play` action that resumes the agent holds the call's session this long for its return.
+    resume_timeout_s: float = Field(60.0, gt=0, le=600)
+
+    # Call records (docs/contact-center.md): the folder (the server's `--records-dir` sets it),
+    # kept this many days and up to this many MiB in all (the oldest go first).
+    records_dir: Path | None = None
+    records_max_age_days: float = Field(30.0, gt=0)
+    records_max_mb: float = Field(2048.0, gt=0)
+    # Post-call webhooks: the HMAC secret (a persona's `webhook_secret_env` may name another),
+    # how long one delivery is retried, its first back-off and each attempt's timeout.
+    webhook_secret: SecretStr = SecretStr("")
+    webhook_retry_s: float = Field(300.0, ge=0)
+    webhook_backoff_s: float = Field(1.0, gt=0)
+    webhook_timeout_s: float = Field(5.0, gt=0, le=60)
 
     @field_validator("public_url")
     @classmethod
@@ -65,6 +83,19 @@ class TwilioSettings(BaseSettings):
             if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
                 raise ValueError(f"PUBLIC_URL must look like https://host[:port][/prefix], got {value!r}")
         return value
+
+    @field_validator("engine_lost_twiml")
+    @classmethod
+    def _check_fallback(cls, value: str) -> str:
+        value = value.strip()
+        if value and not value.startswith(("http://", "https://", "<")):
+            raise ValueError("ENGINE_LOST_TWIML must be an http(s) URL or TwiML text (<Response>…)")
+        return value
+
+    @field_validator("records_dir", mode="before")
+    @classmethod
+    def _empty_dir_is_none(cls, value: object) -> object:
+        return None if value in ("", None) else value
 
     @model_validator(mode="after")
     def _cushion_fits(self) -> TwilioSettings:

@@ -1,4 +1,4 @@
-"""What the bridge knows about calls: their stream tickets, live streams, lifecycle history.
+"""What the bridge knows about calls: their stream tickets, live streams, records of recent calls.
 
 Between our webhook answer and Twilio's `start` message (a second or so) the call holds a
 reservation ticket of the SessionManager (`manager.reserve`): the slot counts as taken for every
@@ -17,9 +17,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from personaplex_voice.engine.base import Persona
+from .records import CallRecord
 
-HISTORY = 500  # finished calls kept for /twilio/calls
+HISTORY = 500  # calls whose records are kept in memory (for /twilio/calls)
 
 
 @dataclass
@@ -30,44 +30,16 @@ class StreamTicket:
     persona_name: str
     call_sid: str
     expires_at: float
-
-
-@dataclass
-class CallRecord:
-    call_sid: str
-    direction: str = "inbound"
-    from_: str = ""
-    to: str = ""
-    persona: str = ""
-    stream_sid: str = ""
-    session_id: str = ""
-    statuses: list[tuple[float, str]] = field(default_factory=list)
-    events: list[tuple[float, str]] = field(default_factory=list)  # DTMF and other session events
-    end_reason: str = ""
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "call_sid": self.call_sid,
-            "direction": self.direction,
-            "from": self.from_,
-            "to": self.to,
-            "persona": self.persona,
-            "stream_sid": self.stream_sid,
-            "session_id": self.session_id,
-            "statuses": [{"t": t, "status": s} for t, s in self.statuses],
-            "events": [{"t": t, "event": e} for t, e in self.events],
-            "end_reason": self.end_reason,
-            "metrics": self.metrics,
-        }
+    variables: dict[str, str] = field(default_factory=dict)  # the values the prompt was filled with
 
 
 @dataclass
 class OutboundRequest:
-    """A persona chosen by POST /twilio/call, picked up when the callee answers."""
+    """A one-off persona of POST /twilio/call (overrides of a named one), picked up when the
+    callee answers."""
 
     persona_name: str
-    persona: Persona
+    overrides: dict[str, Any]  # text_prompt (literal), voice, seed
     expires_at: float
 
 
@@ -86,9 +58,18 @@ class CallRegistry:
         for token in [t for t, r in self._outbound.items() if r.expires_at < now]:
             del self._outbound[token]
 
-    def issued(self, ticket_id: str, persona_name: str, call_sid: str, ttl_s: float) -> None:
+    def issued(
+        self,
+        ticket_id: str,
+        persona_name: str,
+        call_sid: str,
+        ttl_s: float,
+        variables: dict[str, str] | None = None,
+    ) -> None:
         self._expire()
-        self._tickets[ticket_id] = StreamTicket(ticket_id, persona_name, call_sid, time.monotonic() + ttl_s)
+        self._tickets[ticket_id] = StreamTicket(
+            ticket_id, persona_name, call_sid, time.monotonic() + ttl_s, dict(variables or {})
+        )
 
     def claim(self, ticket_id: str, call_sid: str) -> StreamTicket | None:
         """What our webhook issued this ticket for, taken once by the call it was issued for;
@@ -107,10 +88,10 @@ class CallRegistry:
             del self._tickets[key]
         return ids
 
-    def add_outbound(self, persona_name: str, persona: Persona, ttl_s: float) -> str:
+    def add_outbound(self, persona_name: str, overrides: dict[str, Any], ttl_s: float) -> str:
         self._expire()
         token = secrets.token_urlsafe(18)
-        self._outbound[token] = OutboundRequest(persona_name, persona, time.monotonic() + ttl_s)
+        self._outbound[token] = OutboundRequest(persona_name, overrides, time.monotonic() + ttl_s)
         return token
 
     def take_outbound(self, token: str) -> OutboundRequest | None:

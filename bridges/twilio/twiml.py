@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from twilio.twiml.voice_response import Connect, VoiceResponse
+from twilio.twiml.voice_response import Connect, Dial, VoiceResponse
 
 
 def connect_stream(stream_url: str, parameters: Mapping[str, str], status_callback: str | None = None) -> str:
@@ -32,4 +32,45 @@ def say_and_hang_up(message: str) -> str:
     response = VoiceResponse()
     response.say(message)
     response.hangup()
+    return str(response)
+
+
+def say_or_play(response: VoiceResponse, say: str | None, play_url: str | None) -> None:
+    if say:
+        response.say(say)
+    if play_url:
+        response.play(play_url)
+
+
+def transfer(to: str, *, announce: str | None, whisper_url: str | None, caller_id: str | None) -> str:
+    """`<Say>` (optional) then `<Dial>` to a number or a SIP URI; `whisper_url` is fetched by
+    Twilio when the far end answers and played to it alone, before the two are connected."""
+    response = VoiceResponse()
+    if announce:
+        response.say(announce)
+    dial = Dial(caller_id=caller_id) if caller_id else Dial()
+    target = {"url": whisper_url} if whisper_url else {}
+    if to.startswith(("sip:", "sips:")):
+        dial.sip(to, **target)
+    else:
+        dial.number(to, **target)
+    response.append(dial)
+    return str(response)
+
+
+def play_then(say: str | None, play_url: str | None, *, resume_url: str | None) -> str:
+    """A short message, then back to the agent (`<Redirect>` to our webhook) or the end."""
+    response = VoiceResponse()
+    say_or_play(response, say, play_url)
+    if resume_url:
+        response.redirect(resume_url, method="POST")
+    else:
+        response.hangup()
+    return str(response)
+
+
+def say_only(message: str) -> str:
+    """A TwiML document that just says `message` (a whisper to the person a call is put through to)."""
+    response = VoiceResponse()
+    response.say(message)
     return str(response)

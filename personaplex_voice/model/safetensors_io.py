@@ -82,6 +82,10 @@ class SafetensorsFile:
             raise UserError(f"{self.path}: {what} not found")
         try:
             self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115  # closed by close()
+            # One staging buffer for every converting read. Allocated per tensor, glibc serves
+            # the 16 MB from its heap once its mmap threshold has grown, and later tensors strand
+            # the freed chunks: +16 MB of host memory per tensor, in some runs and not others.
+            self._staging: torch.Tensor | None = None
         except OSError as exc:
             raise UserError(f"{self.path}: cannot read {what} ({exc})") from None
         try:
@@ -149,7 +153,9 @@ class SafetensorsFile:
                 return
             element = torch.empty(0, dtype=entry.dtype).element_size()
             per_chunk = max(1, CHUNK_BYTES // element)
-            staging = torch.empty(min(entry.numel, per_chunk) * element, dtype=torch.uint8)
+            if self._staging is None:
+                self._staging = torch.empty(max(CHUNK_BYTES, element), dtype=torch.uint8)
+            staging = self._staging
             done = 0
             while done < entry.numel:
                 n = min(per_chunk, entry.numel - done)
@@ -170,6 +176,7 @@ class SafetensorsFile:
             got += n
 
     def close(self) -> None:
+        self._staging = None
         self._file.close()
 
     def __enter__(self) -> SafetensorsFile:

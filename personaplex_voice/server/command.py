@@ -117,6 +117,13 @@ def serve(
             "--twilio/--no-twilio", help="Mount the Twilio bridge at /twilio (env PERSONAPLEX_TWILIO)"
         ),
     ] = None,
+    records_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Keep call records, transcripts and recordings here (Twilio bridge) "
+            "(env PERSONAPLEX_RECORDS_DIR)"
+        ),
+    ] = None,
     log_level: Annotated[
         str | None, typer.Option(help="debug, info, warning (env PERSONAPLEX_LOG_LEVEL)")
     ] = None,

@@ -59,6 +59,8 @@ class ServerSettings(BaseSettings):
     # Comma-separated list of allowed browser origins; empty or "*" allows every origin.
     allowed_origins: str = "*"
     twilio: bool = False
+    # Call records (the Twilio bridge's transcripts, recordings, JSON records) are kept here.
+    records_dir: Path | None = None
     # Largest WebSocket message accepted on /api/chat (an Ogg page is at most ~64 KiB).
     max_message_bytes: int = Field(256 * 1024, ge=1024, le=16 * 1024 * 1024)
     max_prompt_chars: int = Field(4000, ge=1)
@@ -90,6 +92,11 @@ class ServerSettings(BaseSettings):
     instance_name: str = ""
     # Another client build to serve at / instead of web/ (e.g. the reference client's dist/).
     static: Path | None = None
+
+    @field_validator("records_dir", mode="before")
+    @classmethod
+    def _empty_records_dir_is_none(cls, value: object) -> object:
+        return None if value in ("", None) else value
 
     @field_validator("static", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Frame-level logic of the Pipecat service that needs no Pipecat: utterances and playout pacing.
+"""Pacing of the agent's utterances into Pipecat (no Pipecat needed): cutting and playout gating.
 
 A full-duplex model produces one 80 ms frame of agent audio every 80 ms for the whole call,
 silence included. Pipecat thinks in *utterances* (TTSStartedFrame ... TTSStoppedFrame, bot

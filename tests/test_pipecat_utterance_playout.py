@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from personaplex_pipecat.pacing import Edge, PlayoutGate, SpeechEndDetector, UtteranceTracker, level_db
+from personaplex_pipecat.utterance_playout import (
+    Edge,
+    PlayoutGate,
+    SpeechEndDetector,
+    UtteranceTracker,
+    level_db,
+)
 
 LOUD = np.full(1920, 0.1, np.float32)  # -20 dBFS
 QUIET = np.full(1920, 0.001, np.float32)  # -60 dBFS
