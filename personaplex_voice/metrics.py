@@ -138,6 +138,7 @@ CLOSE_REASONS = frozenset(
         "persona_error",
         "engine_error",
         "engine_lost",  # the engine (worker) serving it went away
+        "frontend_lost",  # (engine worker) the front-end holding it went away
         "shutdown",
         "refused",  # the transport refused the caller after opening (bad input, too fast...)
         "slow_client",

@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -76,6 +78,9 @@ def create_app(
     app.state.load_status = {"state": "loading", "detail": "starting"}
     app.state.server_metrics = metrics.ServerMetrics.create()
     app.state.registry = metrics.build_registry(app.state.server_metrics, lambda: _manager_instruments(app))
+    worker_series = getattr(manager, "prometheus_collector", None)  # a cluster front-end: per-worker series
+    if callable(worker_series):
+        app.state.registry.register(worker_series())
 
     app.add_api_websocket_route("/api/chat", chat_endpoint)
     app.add_api_route("/api/prompts", _store_prompt, methods=["POST"])
@@ -83,6 +88,7 @@ def create_app(
     app.add_api_route("/healthz", _healthz, methods=["GET"])
     app.add_api_route("/readyz", _readyz, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/api/cluster", _cluster, methods=["GET"])
     _serve_web_when_unmatched(app, settings.static)
 
     if settings.twilio:
@@ -278,6 +284,11 @@ async def _readyz(request: Request) -> JSONResponse:
     when every slot is taken or reserved (so a load balancer sends the next caller elsewhere)."""
     app = request.app
     status = dict(app.state.load_status)
+    readiness = getattr(app.state.manager, "readiness", None)  # a cluster front-end: cluster-wide
+    if status["state"] == "ready" and callable(readiness):
+        ok, body = readiness()
+        model = info.public_model_name(app.state.model_name)
+        return JSONResponse({"model": model, **body}, status_code=200 if ok else 503)
     occupancy = _occupancy(app)
     if status["state"] != "ready":
         return JSONResponse({"status": status["state"], "detail": status["detail"]}, status_code=503)
@@ -287,7 +298,21 @@ async def _readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready", "model": model, **occupancy})
 
 
+async def _cluster(request: Request) -> JSONResponse:
+    """The engine workers behind this server (pid, device, node, slots, cached personas) and
+    this process; one embedded worker when the server runs in one process."""
+    _require_key(request)
+    manager = request.app.state.manager
+    describe = getattr(manager, "cluster_status", None)
+    if callable(describe):
+        return JSONResponse(describe())
+    occupancy = _occupancy(request.app)
+    frontend = {"id": "embedded", "pid": os.getpid(), "torch_loaded": "torch" in sys.modules}
+    return JSONResponse({"mode": "embedded", "frontend": frontend, **occupancy})
+
+
 async def _metrics(request: Request) -> Response:
+    _require_key(request)
     body = metrics.render(request.app.state.registry)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 

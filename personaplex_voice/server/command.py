@@ -134,6 +134,37 @@ def serve(
             "client's dist/ (env PERSONAPLEX_STATIC)"
         ),
     ] = None,
+    # -- cluster (docs/cluster.md) --
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Front-end processes sharing the port, each with every transport; 0 = one process "
+            "(env PERSONAPLEX_WORKERS; 0)"
+        ),
+    ] = None,
+    engine_workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Engine worker processes (one engine each; CPU or --device) (env PERSONAPLEX_ENGINE_WORKERS)"
+        ),
+    ] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="One engine worker per listed GPU, e.g. 0,1 (env PERSONAPLEX_GPUS)")
+    ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Join this Ray cluster (auto or HOST:PORT): engine workers are Ray actors "
+            "(env PERSONAPLEX_RAY)"
+        ),
+    ] = None,
+    drain_s: Annotated[
+        float | None,
+        typer.Option(
+            help="Cluster: on SIGTERM admit nothing new and let calls run this long "
+            "(env PERSONAPLEX_DRAIN_S; 30)"
+        ),
+    ] = None,
 ) -> None:
     """Serve /api/chat, the browser client, health and metrics."""
     given = {
@@ -153,6 +184,11 @@ def serve(
             f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
         )
         raise UserError(f"invalid server settings: {problems}") from None
+    if settings.cluster:
+        from personaplex_voice.cluster.supervisor import run_cluster
+
+        run_cluster(settings)
+        return
     run_server(settings)
 
 
@@ -171,25 +207,8 @@ class RedactTokens(logging.Filter):
         return True
 
 
-def run_server(settings: ServerSettings) -> None:
-    from personaplex_voice.audio.opus_library import require_opus
-
-    require_opus()  # /api/chat speaks Ogg-Opus: a machine without libopus is told so, in one line
-    import uvicorn
-
-    from personaplex_voice.server.app import create_app, end_all_calls
-
-    class _Server(uvicorn.Server):
-        """uvicorn closes WebSockets with a bare 1012 on shutdown; end the calls in words first."""
-
-        def __init__(self, config: uvicorn.Config, app: object):
-            super().__init__(config)
-            self._app = app
-
-        async def shutdown(self, sockets: list | None = None) -> None:
-            await end_all_calls(self._app)
-            await super().shutdown(sockets)
-
+def check_files(settings: ServerSettings) -> None:
+    """The files the settings name exist (before anything starts)."""
     ssl_files = settings.ssl_files()
     if ssl_files is not None:
         for path in ssl_files:
@@ -207,24 +226,26 @@ def run_server(settings: ServerSettings) -> None:
         if path is not None and not path.is_file():
             raise UserError(f"{flag} {path}: no such file")
 
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(settings: ServerSettings, fmt: str = LOG_FORMAT) -> None:
     level = settings.log_level.upper()
     # The CLI set up warnings-only logging; a server wants its info lines, with timestamps.
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(level=level, format=fmt, force=True)
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(RedactTokens())
     logging.getLogger("uvicorn.error").addFilter(ClientMistakesAreWarnings())
 
-    failure: list[BaseException] = []
-    server: uvicorn.Server | None = None
 
-    def on_load_error(exc: BaseException) -> None:
-        failure.append(exc)
-        if server is not None:
-            server.should_exit = True
+def uvicorn_config(settings: ServerSettings, app: object):
+    """The uvicorn settings every server process runs with (the embedded server, each front-end)."""
+    import uvicorn
 
-    app = create_app(settings, on_load_error=on_load_error)
+    ssl_files = settings.ssl_files()
     http_protocol, ws_protocol = protocol_classes(settings.http_limits())
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -242,7 +263,46 @@ def run_server(settings: ServerSettings) -> None:
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = _Server(config, app)
+
+
+def call_ending_server_class():
+    """uvicorn.Server that ends the calls in words before closing sockets (uvicorn itself closes
+    WebSockets with a bare 1012 on shutdown). A function, so importing this module stays cheap."""
+    import uvicorn
+
+    from personaplex_voice.server.app import end_all_calls
+
+    class CallEndingServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, app: object):
+            super().__init__(config)
+            self._app = app
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            await end_all_calls(self._app)
+            await super().shutdown(sockets)
+
+    return CallEndingServer
+
+
+def run_server(settings: ServerSettings) -> None:
+    from personaplex_voice.audio.opus_library import require_opus
+
+    require_opus()  # /api/chat speaks Ogg-Opus: a machine without libopus is told so, in one line
+    from personaplex_voice.server.app import create_app
+
+    check_files(settings)
+    configure_logging(settings)
+
+    failure: list[BaseException] = []
+    server = None
+
+    def on_load_error(exc: BaseException) -> None:
+        failure.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_load_error=on_load_error)
+    server = call_ending_server_class()(uvicorn_config(settings, app), app)
     logging.getLogger("personaplex_voice.server").info(
         "serving %s on %s://%s:%d/ (engine %s)",
         settings.model if settings.engine == "model" else "echo",

@@ -67,6 +67,16 @@ class ServerSettings(BaseSettings):
     # A client that does not read for this long is disconnected (its slot is needed by others).
     send_timeout_s: float = Field(10.0, gt=0)
     log_level: str = "info"
+    # -- cluster (docs/cluster.md): front-end processes and engine workers; all 0/empty = one process
+    # Front-end processes on the one port, each with every transport (0 = the embedded server).
+    workers: int = Field(0, ge=0, le=256)
+    # Engine worker processes on this host (CPU or `device`); `gpus` starts one per listed GPU instead.
+    engine_workers: int = Field(0, ge=0, le=256)
+    gpus: str = Field("", pattern=r"^[0-9]*(,[0-9]+)*$")
+    # Join a Ray cluster (`auto` or HOST:PORT): engine workers are Ray actors, found through Ray.
+    ray: str | None = None
+    # SIGTERM on a cluster: stop admitting, let running calls go on up to this long, then end them.
+    drain_s: float = Field(30.0, ge=0)
 
     # HTTP limits (server/http_guard.py): a longer request line gets 414, more or larger headers
     # 431; a request whose head is not complete this long after connecting (or after the last
@@ -125,6 +135,15 @@ class ServerSettings(BaseSettings):
             "idle_timeout_s": self.idle_timeout_s or None,
             "cache_bytes": round(self.persona_cache_mb * (1 << 20)),
         }
+
+    @property
+    def cluster(self) -> bool:
+        """True when serve runs front-end processes and engine workers instead of one process."""
+        return bool(self.workers or self.engine_workers or self.gpus or self.ray)
+
+    @property
+    def gpu_list(self) -> list[int]:
+        return [int(g) for g in self.gpus.split(",") if g]
 
     @property
     def scheme(self) -> str:
