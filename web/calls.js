@@ -181,18 +181,28 @@ async function refreshSelected(live) {
   }
   if (!actions.children.length) actions.append(Object.assign(document.createElement("li"), { textContent: "none" }));
   current.live = live;
-  if (!live && record.recording && !recordingUrl) await loadRecording(current);
+  if (!live && record.recording && !current.recordingRequested) await loadRecording(current);
 }
 
 async function loadRecording(current) {
-  const blob = await (await api(`/twilio/calls/${current.sid}/recording`)).blob();
+  // Once per selection: two polls overlapping here would each set a new source, and the
+  // player would be reloading (no duration yet) after the first one said it was ready.
+  current.recordingRequested = true;
+  let blob;
+  try {
+    blob = await (await api(`/twilio/calls/${current.sid}/recording`)).blob();
+  } catch (error) {
+    current.recordingRequested = false; // the next poll tries again
+    throw error;
+  }
   if (selected !== current) return;
-  recordingUrl = URL.createObjectURL(blob);
+  const url = URL.createObjectURL(blob);
+  recordingUrl = url;
   const player = $("player");
   player.oncanplay = () => {
-    state.audioReady = true;
+    if (player.src === url && Number.isFinite(player.duration)) state.audioReady = true;
   };
-  player.src = recordingUrl;
+  player.src = url;
   $("player-row").hidden = false;
 }
 
