@@ -90,6 +90,22 @@ class OutFrame:
     tokens: np.ndarray | None = None
 
 
+def pushed_samples(pcm: np.ndarray) -> np.ndarray:
+    """What `push` accepts, as float32 1-D (no copy when it already is): float samples, mono
+    (1-D, or 2-D with one channel), finite. Raises ValueError saying what is wrong otherwise."""
+    raw = np.asarray(pcm)
+    if raw.dtype.kind not in "f":
+        raise ValueError(f"push wants float samples in [-1, 1], got {raw.dtype} (scale int16 by 1/32768)")
+    x = raw.astype(np.float32, copy=False)
+    if x.ndim == 2 and 1 in x.shape:
+        x = x.reshape(-1)
+    if x.ndim != 1:
+        raise ValueError(f"push wants mono samples (1-D), got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError("push got NaN or infinite samples")
+    return x
+
+
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -193,16 +209,7 @@ class Session:
         the session is ready is dropped (counted): the conversation has not started yet.
         Raises ValueError for audio that is not float, not 1-D or not finite.
         """
-        raw = np.asarray(pcm)
-        if raw.dtype.kind not in "f":
-            raise ValueError(f"push wants float samples in [-1, 1], got {raw.dtype} (scale int16 by 1/32768)")
-        x = raw.astype(np.float32, copy=False)
-        if x.ndim == 2 and 1 in x.shape:
-            x = x.reshape(-1)
-        if x.ndim != 1:
-            raise ValueError(f"push wants mono samples (1-D), got shape {x.shape}")
-        if not np.isfinite(x).all():
-            raise ValueError("push got NaN or infinite samples")
+        x = pushed_samples(pcm)
         if self._state is SlotState.CLOSED or self._input_ended:
             return
         manager = self._manager

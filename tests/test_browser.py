@@ -8,28 +8,17 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
+from support_browser import CHROMIUM, FAKE_MICROPHONE, FLAGS
 from support_server import running_server
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--use-fake-ui-for-media-stream",
-    "--use-fake-device-for-media-stream",
-    "--autoplay-policy=no-user-gesture-required",
-]
 SPEECH = "Hello there. I would like to talk about the weather today. It is sunny and warm."
 LONG_PROMPT = (
     "你是一位睿智而友善的老师。请用清楚而有趣的方式回答问题。" * 80
@@ -60,7 +49,7 @@ def test_browser_call_plays_echo_shows_text_and_records(microphone_wav, artifact
         browser = pw.chromium.launch(
             executable_path=CHROMIUM,
             headless=True,
-            args=[*FLAGS, f"--use-file-for-fake-audio-capture={microphone_wav}"],
+            args=[*FLAGS, *FAKE_MICROPHONE, f"--use-file-for-fake-audio-capture={microphone_wav}"],
         )
         try:
             page = browser.new_page()

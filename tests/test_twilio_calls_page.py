@@ -5,25 +5,16 @@ recording plays in the page's audio player. Saves artifacts/calls_page.png."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 
 import numpy as np
 import pytest
+from support_browser import CHROMIUM, FLAGS
 from support_server import running_server
 from support_twilio import TwilioSimulator, tone
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--autoplay-policy=no-user-gesture-required",
-]
 AUTH_TOKEN = "calls-page-auth-token"
 API_TOKEN = "calls-page-api-token"
 PERSONAS = (
@@ -99,8 +90,9 @@ def test_calls_page_shows_a_live_transcript_and_plays_a_past_recording(tmp_path,
             page.wait_for_function("window.calls.audioReady === true", timeout=20_000)
             duration = page.evaluate("document.getElementById('player').duration")
             assert 4.0 <= duration <= 8.0, duration
-            page.evaluate("document.getElementById('player').play()")
-            page.wait_for_function("document.getElementById('player').currentTime > 0.5", timeout=15_000)
+            # play() resolves once playback has started (or rejects, failing here with why).
+            page.evaluate("document.getElementById('player').play().then(() => true)")
+            page.wait_for_function("document.getElementById('player').currentTime > 0.5", timeout=30_000)
             assert len(page.inner_text("#transcript")) > len(live_text)  # the whole call now
             page.screenshot(path=str(artifacts_dir / "calls_page.png"), full_page=True)
             assert not errors, errors

@@ -58,7 +58,7 @@ from personaplex_voice.engine.base import (
     VoiceInfo,
 )
 from personaplex_voice.metrics import Counter, Gauge
-from personaplex_voice.sessions import OutFrame, SessionClosed, Ticket, TicketError
+from personaplex_voice.sessions import OutFrame, SessionClosed, Ticket, TicketError, pushed_samples
 
 log = logging.getLogger("personaplex_voice.cluster.client")
 
@@ -172,16 +172,7 @@ class RemoteSession:
 
     def push(self, pcm: np.ndarray) -> None:
         """As `Session.push`: whole frames go to the worker as they complete."""
-        raw = np.asarray(pcm)
-        if raw.dtype.kind not in "f":
-            raise ValueError(f"push wants float samples in [-1, 1], got {raw.dtype} (scale int16 by 1/32768)")
-        x = raw.astype(np.float32, copy=False)
-        if x.ndim == 2 and 1 in x.shape:
-            x = x.reshape(-1)
-        if x.ndim != 1:
-            raise ValueError(f"push wants mono samples (1-D), got shape {x.shape}")
-        if not np.isfinite(x).all():
-            raise ValueError("push got NaN or infinite samples")
+        x = pushed_samples(pcm)
         if self._state == _CLOSED or self._input_ended:
             return
         if self._client.realtime and self._state != _RUNNING:
