@@ -23,7 +23,8 @@ import secrets
 import threading
 from typing import Any
 
-from personaplex_voice.cluster.client import ClusterClient, Endpoint
+from personaplex_voice.cluster.client import ClusterClient
+from personaplex_voice.cluster.worker_link import Endpoint
 
 log = logging.getLogger("personaplex_voice.cluster.ray")
 
