@@ -63,10 +63,6 @@ class Ticket:
     expires_at: float
     persona: Persona | None = None
 
-    @property
-    def ttl_s(self) -> float:
-        return max(0.0, self.expires_at - time.monotonic())
-
 
 class SessionClosed(EngineError):
     """The session ended before it became ready (or was used after it ended)."""

@@ -256,10 +256,6 @@ class Scheduler:
         with self.cond:
             return not self._ops and not self._prefills
 
-    @property
-    def joining_count(self) -> int:
-        return sum(s is not None and s._state is SlotState.JOINING for s in self.slots)
-
     def start(self) -> None:
         """Start the inference thread unless it runs."""
         with self.cond:
