@@ -2,7 +2,7 @@
 
 | command          | implemented in                                   |
 | ---------------- | ------------------------------------------------ |
-| `serve`          | `personaplex_voice.server.command.serve`         |
+| `serve`          | `personaplex_voice.serve_command.serve`          |
 | `offline`        | `personaplex_voice.offline.offline`              |
 | `voices list/make` | `personaplex_voice.voices_cli.app`             |
 | `call`           | `personaplex_twilio.cli.call` (needs the `twilio` extra) |
@@ -60,7 +60,7 @@ def _register_group(name: str, target: str) -> None:
     app.add_typer(sub, name=name)
 
 
-_register_command("serve", "personaplex_voice.server.command:serve")
+_register_command("serve", "personaplex_voice.serve_command:serve")
 _register_command("offline", "personaplex_voice.offline:offline")
 _register_group("voices", "personaplex_voice.voices_cli:app")
 _register_command("call", "personaplex_twilio.cli:call")

@@ -1,15 +1,19 @@
-"""Framework-free counters, gauges and histograms for the SessionManager.
+"""Framework-free counters, gauges and histograms, and the one snapshot format they share.
 
-The server publishes these to Prometheus; everything here is plain Python so the engine side
-stays free of web dependencies. Every instrument is thread-safe: the inference thread writes,
-any thread reads. `SessionMetrics.snapshot()` returns one plain dict of everything.
+Everything here is plain Python so the engine side stays free of web dependencies. Every
+instrument is thread-safe: the inference thread writes, any thread reads.
+
+A *snapshot* (`InstrumentSet.snapshot()`) is a JSON-able dict `{name: {"kind", "help", "label",
+"value"}}` of every instrument of a set: an engine worker sends its manager's over the wire as
+it is, and `server/metrics.py` turns snapshots (each with labels such as the worker's id, a
+`LabelledSnapshot`) into Prometheus series in one place.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +130,47 @@ class Histogram:
 
 
 Instrument = Counter | Gauge | Histogram
+Snapshot = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class LabelledSnapshot:
+    """A snapshot and the labels its series carry (e.g. `{"worker": "w0"}`; `{}` for the
+    process's own instruments)."""
+
+    labels: dict[str, str]
+    instruments: Snapshot
+
+
+def snapshot_of(instruments: Iterable[Instrument]) -> Snapshot:
+    return {
+        inst.name: {
+            "kind": inst.kind,
+            "help": inst.help,
+            "label": getattr(inst, "label", None),
+            "value": inst.snapshot(),
+        }
+        for inst in instruments
+    }
+
+
+def values_of(snapshot: Snapshot) -> dict[str, Any]:
+    """{name: value} of a snapshot (a labelled counter's value is {label: count})."""
+    return {name: entry["value"] for name, entry in snapshot.items()}
+
+
+class InstrumentSet:
+    """Base of the dataclasses that hold instruments: every field that is one is exported."""
+
+    def instruments(self) -> Iterator[Instrument]:
+        """Every instrument, for an exporter (each has .name, .help, .kind)."""
+        for value in vars(self).values():
+            if isinstance(value, Counter | Gauge | Histogram):
+                yield value
+
+    def snapshot(self) -> Snapshot:
+        return snapshot_of(self.instruments())
+
 
 # The label values the session metrics may carry (anything else is counted as "other").
 # Close reasons: the session layer's own, plus the generic ones transports pass to `close`.
@@ -151,7 +196,7 @@ TICKET_OUTCOMES = frozenset({"issued", "redeemed", "cancelled", "expired", "refu
 
 
 @dataclass
-class SessionMetrics:
+class SessionMetrics(InstrumentSet):
     """Every number the SessionManager keeps. Names follow Prometheus conventions (no prefix:
     the server adds `personaplex_`)."""
 
@@ -238,13 +283,3 @@ class SessionMetrics:
                 allowed=TICKET_OUTCOMES,
             ),
         )
-
-    def instruments(self) -> Iterator[Instrument]:
-        """Every instrument, for an exporter (each has .name, .help, .kind)."""
-        for value in vars(self).values():
-            if isinstance(value, Counter | Gauge | Histogram):
-                yield value
-
-    def snapshot(self) -> dict[str, Any]:
-        """{instrument name: value}; counters with a label give {label: value}."""
-        return {inst.name: inst.snapshot() for inst in self.instruments()}

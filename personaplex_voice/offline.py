@@ -36,12 +36,9 @@ from personaplex_voice.cli_options import (
     ThreadsOpt,
     TokenizerOpt,
     VoiceDirOpt,
-    configure_threads,
-    engine_options,
-    parse_dtype,
-    source_overrides,
 )
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Engine, Persona, Sampling
+from personaplex_voice.engine.options import configure_threads, engine_options, parse_dtype, source_overrides
 from personaplex_voice.errors import UserError
 
 DEFAULT_TEXT_PROMPT = (

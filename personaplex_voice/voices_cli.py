@@ -23,10 +23,8 @@ from personaplex_voice.cli_options import (
     ThreadsOpt,
     TokenizerOpt,
     VoiceDirOpt,
-    configure_threads,
-    parse_dtype,
-    source_overrides,
 )
+from personaplex_voice.engine.options import configure_threads, parse_dtype, source_overrides
 from personaplex_voice.errors import UserError
 
 app = typer.Typer(

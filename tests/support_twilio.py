@@ -551,15 +551,15 @@ def bridge_harness(
     from personaplex_twilio.config import TwilioSettings
 
     from personaplex_voice.engine.loopback import LoopbackEngine
+    from personaplex_voice.process.settings import ServerSettings
     from personaplex_voice.server.app import create_app
-    from personaplex_voice.server.config import ServerSettings
     from personaplex_voice.sessions import SessionManager
 
     personas = tmp_path / "personas.yaml"
     personas.write_text(personas_yaml)
     options = {"idle_timeout_s": None, **(manager_options or {})}
     manager = SessionManager(engine or LoopbackEngine(num_slots=2), **options)
-    app = create_app(ServerSettings(engine="echo", tune_runtime=False), manager=manager)
+    app = create_app(ServerSettings(engine="echo", tune_runtime=False), host=manager)
     cloud = FakeTwilioCloud()
     with running_app(app) as server:
         twilio_settings = TwilioSettings(

@@ -104,8 +104,8 @@ async def test_a_lossless_session_through_the_split_is_the_in_process_session(tm
         np.testing.assert_array_equal(out[FRAME_SIZE:], audio[:-FRAME_SIZE])  # the echo's one-frame delay
         assert [f.text for f in frames[:4]] == [" one", None, " two", " one"]
         assert session.stats["frames_in"] == 30 and session.stats["worker"] == "w0"
-        assert c.client.engine.name == "loopback"
-        assert c.client.engine.voices() == list(LoopbackEngine().voices())
+        assert c.client.model_name == "loopback"
+        assert c.client.voices() == list(LoopbackEngine().voices())
 
 
 async def test_refusals_are_typed_and_sessions_spread_over_workers(tmp_path):

@@ -92,9 +92,9 @@ def test_refused_clients_leave_no_reference_cycles_with_the_collector_off():
 
     from personaplex_voice.audio.budget import DecodeBudgetExceeded
     from personaplex_voice.audio.opus import OggOpusReader
+    from personaplex_voice.process.settings import ServerSettings
     from personaplex_voice.server.app import create_app
     from personaplex_voice.server.chat import ChatConnection, Refusal
-    from personaplex_voice.server.config import ServerSettings
 
     watched = (ChatConnection, OggOpusReader, DecodeBudgetExceeded, Refusal)
     app = create_app(ServerSettings(engine="echo", max_sessions=2, tune_runtime=False))

@@ -18,8 +18,8 @@ from support_server import running_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server.app import create_app
-from personaplex_voice.server.config import ServerSettings
 
 KEY = "k3y"
 TIMEOUT_S = 1.0
@@ -198,7 +198,7 @@ def test_static_serves_another_client_build_at_the_root(tmp_path):
         assert client.get("/assets/decoderWorker.min.js").text == "// worker"
         assert client.get("/healthz").status_code == 200  # routes still win over the files
     from personaplex_voice.errors import UserError
-    from personaplex_voice.server.command import run_server
+    from personaplex_voice.server.run import run as run_server
 
     with pytest.raises(UserError, match=r"no index\.html"):
         run_server(ServerSettings(engine="echo", static=tmp_path / "empty"))

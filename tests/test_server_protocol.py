@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from personaplex_voice.engine.base import Persona, Sampling
+from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server import access, protocol
-from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.protocol import ChatParams, Kind, QueryError
 
 
@@ -132,7 +132,7 @@ def test_echo_server_never_imports_torch():
         "import sys, asyncio\n"
         "from fastapi.testclient import TestClient\n"
         "from personaplex_voice.server.app import create_app\n"
-        "from personaplex_voice.server.config import ServerSettings\n"
+        "from personaplex_voice.process.settings import ServerSettings\n"
         "import personaplex_voice.cli\n"
         "app = create_app(ServerSettings(engine='echo', max_sessions=1))\n"
         "with TestClient(app) as client:\n"

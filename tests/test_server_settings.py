@@ -14,9 +14,10 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from personaplex_voice.errors import UserError
-from personaplex_voice.server import command
+from personaplex_voice.process.settings import ServerSettings
+from personaplex_voice import serve_command
+from personaplex_voice.server import run as server_run
 from personaplex_voice.server.app import create_app
-from personaplex_voice.server.config import ServerSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,12 +32,12 @@ def wait_ready(client: TestClient) -> None:
 
 def test_serve_flags_and_env_reach_the_settings(monkeypatch, tmp_path):
     captured: list[ServerSettings] = []
-    run_server = command.run_server
-    monkeypatch.setattr(command, "run_server", captured.append)
+    run_server = server_run.run
+    monkeypatch.setattr(server_run, "run", captured.append)
     monkeypatch.setenv("PERSONAPLEX_IDLE_TIMEOUT_S", "0")
     monkeypatch.setenv("PERSONAPLEX_MAX_CALL_S", "99")
     cli = typer.Typer()
-    cli.command()(command.serve)
+    cli.command()(serve_command.serve)
     weights = tmp_path / "lm.safetensors"
     run = CliRunner().invoke(
         cli,
@@ -75,17 +76,17 @@ def test_the_manager_gets_the_limits_and_the_cache_budget():
     app = create_app(settings)
     with TestClient(app) as client:
         wait_ready(client)
-        manager = app.state.manager
-        assert manager.max_queue == 3 and manager.capacity == 2
-        assert manager.max_call_frames == round(30 / 0.08)
-        assert manager.idle_timeout_s is None
+        manager = app.state.host
+        assert manager.config.max_queue == 3 and manager.capacity == 2
+        assert manager.config.max_call_frames == round(30 / 0.08)
+        assert manager.config.idle_timeout_s is None
         assert manager.cache.max_bytes == 16 << 20
 
 
 def test_model_files_dtype_and_threads_reach_the_engine(golden_dir):
     import torch
 
-    from personaplex_voice.server.engine_loader import load_engine
+    from personaplex_voice.process.engine_loader import load_engine
 
     settings = ServerSettings(
         model=str(golden_dir),
@@ -116,7 +117,7 @@ gc.freeze = lambda: (freezes.append(1), real_freeze())[1]
 from fastapi.testclient import TestClient
 from personaplex_voice.engine.loopback import LoopbackEngine
 from personaplex_voice.server.app import create_app
-from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.sessions import SessionManager
 
 default = sys.getswitchinterval()
@@ -129,9 +130,9 @@ with TestClient(app) as client:
         time.sleep(0.05)
     assert sys.getswitchinterval() == 0.001, sys.getswitchinterval()
     assert freezes == [1] and gc.get_freeze_count() > 0
-    engine = app.state.engine
+    engine = app.state.host.engine
     assert not any(o is engine for o in gc.get_objects()), "the engine was loaded after the freeze"
-other = create_app(ServerSettings(engine="echo"), manager=SessionManager(LoopbackEngine(num_slots=1)))
+other = create_app(ServerSettings(engine="echo"), host=SessionManager(LoopbackEngine(num_slots=1)))
 with TestClient(other):
     pass
 assert freezes == [1], "tuned twice"

@@ -20,6 +20,7 @@ from personaplex_voice.engine.base import (
     Sampling,
 )
 from personaplex_voice.engine.loopback import LoopbackEngine
+from personaplex_voice.metrics import values_of
 from personaplex_voice.sessions import OutFrame, Session, SessionClosed
 
 pytestmark = pytest.mark.timeout(60)
@@ -179,7 +180,7 @@ async def test_persona_cache_hit_restores_and_gives_the_same_output(manager_fact
     other = await echo_call(manager, x, Persona(text_prompt="different", voice="LOOPM0"))
     assert_echo(other, x, delay=3)
     assert engine.starts == 2
-    snap = manager.metrics.snapshot()
+    snap = values_of(manager.metrics.snapshot())
     assert snap["persona_cache_hits_total"] == 1 and snap["persona_cache_misses_total"] == 2
     assert snap["persona_cache_entries"] == 2
     assert snap["persona_cache_bytes"] == 2 * 3 * FRAME_SIZE * 4
@@ -439,14 +440,14 @@ async def test_thousand_open_close_cycles_leave_nothing_behind(manager_factory):
     assert closed_in.get("queued", 0) > 0 and closed_in.get("joining", 0) > 0, closed_in
     assert manager.active_count == 0 and manager.queued_count == 0 and manager.sessions == []
     await wait_until(lambda: not any(engine.slot_in_use(i) for i in range(4)))
-    assert manager._scheduler.settled and not manager._queue
+    assert manager.scheduler.settled and manager.scheduler.queued_count == 0
 
     def none_alive() -> bool:  # the inference thread may hold its last batch until its next wait
         gc.collect()
         return len(alive) == 0
 
     await wait_until(none_alive, timeout=2.0)  # else: the manager keeps sessions alive
-    snap = manager.metrics.snapshot()
+    snap = values_of(manager.metrics.snapshot())
     assert snap["sessions_opened_total"] == 1000
     assert sum(snap["sessions_closed_total"].values()) == 1000
     assert snap["active_slots"] == 0 and snap["queued_sessions"] == 0

@@ -15,6 +15,7 @@ import torch
 from personaplex_voice.audio.io import read_audio
 from personaplex_voice.engine.base import FRAME_SIZE, CapacityError, Persona, Sampling
 from personaplex_voice.engine.generator import PersonaPlexEngine
+from personaplex_voice.metrics import values_of
 from personaplex_voice.model.sources import resolve_model
 from personaplex_voice.sessions import OutFrame, Session, SessionManager
 
@@ -211,19 +212,19 @@ async def test_thousand_open_close_cycles_on_the_model(engine):
 
     try:
         await run(0, 40)  # warm up: the persona cache fills, the engine allocates what it keeps
-        await _until(lambda: manager._scheduler.settled)
+        await _until(lambda: manager.scheduler.settled)
         before = _tensors()
         await run(40, 1000)
-        await asyncio.wait_for(_until(lambda: manager._scheduler.settled), 10)
+        await asyncio.wait_for(_until(lambda: manager.scheduler.settled), 10)
         after = _tensors()
     finally:
         await manager.shutdown()
     assert manager.active_count == 0 and manager.queued_count == 0 and manager.sessions == []
-    assert manager._scheduler.settled and not manager._queue
+    assert manager.scheduler.settled and manager.scheduler.queued_count == 0
     gc.collect()
     assert len(alive) == 0, "the manager keeps sessions alive"
     assert after <= before, f"tensors grew from {before} to {after}"
-    snap = manager.metrics.snapshot()
+    snap = values_of(manager.metrics.snapshot())
     assert snap["sessions_opened_total"] == 1000
     assert sum(snap["sessions_closed_total"].values()) == 1000
     assert snap["persona_cache_entries"] == len(personas)

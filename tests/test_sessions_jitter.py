@@ -24,7 +24,8 @@ def frame_number(pcm: np.ndarray) -> int:
 
 
 def bare_session(**opts) -> tuple[SessionManager, Session]:
-    """A session outside any tick loop, to drive the jitter buffer one tick at a time."""
+    """A session outside any tick loop, to drive the jitter buffer one tick at a time through
+    its stream (what the inference thread sees of it)."""
     engine = LoopbackEngine(num_slots=1)
     manager = SessionManager(engine, realtime=True, **opts)
     return manager, Session(manager, engine.prepare(Persona()))
@@ -32,31 +33,32 @@ def bare_session(**opts) -> tuple[SessionManager, Session]:
 
 def queue(session: Session, *numbers: int) -> None:
     for k in numbers:
-        session._input.push(frame_of(k))
+        session.record.stream.push(frame_of(k))
 
 
 def tick(manager: SessionManager, session: Session) -> tuple[int | None, int]:
     """What one tick does to the session's input: (frame number taken or None, frames dropped)."""
-    frame = session._take_frame()
-    dropped = session._trim_spare(manager.input_slack_frames, manager.input_settle_ticks)
+    stream = session.record.stream
+    frame = stream.take_frame()
+    dropped = stream.trim_spare(manager.config.input_slack_frames, manager.config.input_settle_ticks)
     return (None if frame is None else frame_number(frame)), dropped
 
 
 def test_spare_beyond_the_slack_goes_at_once_oldest_first_in_whole_frames():
     manager, session = bare_session(input_slack_s=0.16, input_settle_s=None)
-    assert manager.input_slack_frames == 2
+    assert manager.config.input_slack_frames == 2
     queue(session, 1, 2, 3, 4, 5, 6)  # a burst after a stall: 5 spare frames after this tick
-    session._input.push(np.full(700, 0.007, np.float32))  # a partial frame: the client's phase
+    session.record.stream.push(np.full(700, 0.007, np.float32))  # a partial frame: the client's phase
     assert tick(manager, session) == (1, 3)  # 2, 3, 4 dropped, 5 and 6 kept as cushion
     assert [tick(manager, session)[0] for _ in range(2)] == [5, 6]
-    assert len(session._input) == 700  # the partial frame is untouched
+    assert session.stats["input_backlog_samples"] == 700  # the partial frame is untouched
     stats = session.stats
     assert stats["jitter_dropped_frames"] == 3 and stats["dropped_input_samples"] == 3 * FRAME_SIZE
 
 
 def test_unused_spare_goes_after_the_settle_time_and_used_spare_stays():
     manager, session = bare_session(input_slack_s=0.16, input_settle_s=0.4)
-    assert manager.input_settle_ticks == 5
+    assert manager.config.input_settle_ticks == 5
     queue(session, 0, 1)  # one late frame came after all: one spare frame from here on
     for k in range(2, 5):  # the spare frame stays queued through 3 ticks ...
         assert tick(manager, session) == (k - 2, 0)
@@ -76,13 +78,13 @@ def test_unused_spare_goes_after_the_settle_time_and_used_spare_stays():
 
 def test_late_wait_shrinks_to_what_the_engine_leaves_of_the_frame():
     manager = SessionManager(LoopbackEngine(num_slots=1), realtime=True)
-    assert manager._scheduler.late_wait() == manager.late_wait_s == 0.020
-    manager._scheduler.recent_steps.extend([0.010, 0.050])  # 72 ms usable, the slowest step 50 ms
-    assert manager._scheduler.late_wait() == 0.020
-    manager._scheduler.recent_steps.append(0.060)
-    assert manager._scheduler.late_wait() == pytest.approx(0.012)
-    manager._scheduler.recent_steps.append(0.090)  # the engine itself overruns: never wait for anyone
-    assert manager._scheduler.late_wait() == 0.0
+    assert manager.scheduler.late_wait() == manager.config.late_wait_s == 0.020
+    manager.scheduler.recent_steps.extend([0.010, 0.050])  # 72 ms usable, the slowest step 50 ms
+    assert manager.scheduler.late_wait() == 0.020
+    manager.scheduler.recent_steps.append(0.060)
+    assert manager.scheduler.late_wait() == pytest.approx(0.012)
+    manager.scheduler.recent_steps.append(0.090)  # the engine itself overruns: never wait for anyone
+    assert manager.scheduler.late_wait() == 0.0
 
 
 async def test_a_stalled_client_does_not_keep_its_delay_for_the_rest_of_the_call():
@@ -130,7 +132,7 @@ async def test_a_stalled_client_does_not_keep_its_delay_for_the_rest_of_the_call
         dropped = session.stats["jitter_dropped_frames"]
         assert dropped >= 4, session.stats
         assert manager.metrics.jitter_dropped_frames.value == dropped
-        assert manager.metrics.snapshot()["jitter_dropped_frames_total"] == dropped
+        assert manager.metrics.jitter_dropped_frames.value == dropped
         assert manager.metrics.dropped_input_samples.value == dropped * FRAME_SIZE
         await session.close()
     finally:

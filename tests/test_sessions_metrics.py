@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
 
 from personaplex_voice.engine.persona_cache import PersonaCache
-from personaplex_voice.metrics import Counter, Histogram, SessionMetrics
+from personaplex_voice.metrics import Counter, Histogram, SessionMetrics, values_of
 
 
 @dataclass
@@ -65,5 +66,13 @@ def test_counters_with_labels_and_the_metrics_snapshot():
     metrics.sessions_closed.inc(label="idle")
     metrics.active_slots.set(3)
     snap = metrics.snapshot()
-    assert snap["sessions_closed_total"] == {"idle": 1.0} and snap["active_slots"] == 3.0
-    assert snap["ticks_total"] == 0.0 and snap["tick_seconds"]["count"] == 0
+    assert snap["sessions_closed_total"] == {
+        "kind": "counter",
+        "help": "Sessions ended, by reason",
+        "label": "reason",
+        "value": {"idle": 1.0},
+    }
+    assert json.loads(json.dumps(snap)) == snap  # it crosses the cluster's wire as it is
+    values = values_of(snap)
+    assert values["active_slots"] == 3.0 and snap["active_slots"]["kind"] == "gauge"
+    assert values["ticks_total"] == 0.0 and values["tick_seconds"]["count"] == 0

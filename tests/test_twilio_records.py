@@ -22,7 +22,7 @@ from support_server import running_server
 from support_twilio import RATE, TwilioSimulator
 
 from personaplex_voice.audio.mulaw import ulaw_decode
-from personaplex_voice.server.engine_loader import ECHO_TEXT
+from personaplex_voice.process.engine_loader import ECHO_TEXT
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -37,7 +37,7 @@ __all__ = ["TwilioSettings", "mount"]
 def mount(
     app: FastAPI, settings: TwilioSettings | None = None, *, http_client: HttpClient | None = None
 ) -> None:
-    """Add the `/twilio/*` routes to `app`; they use `app.state.manager`.
+    """Add the `/twilio/*` routes to `app`; they use `app.state.host` (the session host).
 
     `http_client` replaces the HTTP layer of Twilio's REST client (tests, proxies).
     Raises `UserError` when the settings cannot work (no auth token while signatures are checked,
@@ -53,7 +53,7 @@ def mount(
     book = PersonaBook.load(settings.personas_file)
     # Process-wide interpreter settings (gc.freeze, the GIL switch interval) that keep the pacing
     # of every call on time are the server's job: its lifespan applies them once the engine is
-    # loaded (personaplex_voice.server.runtime).
+    # loaded (personaplex_voice.process.runtime).
     control = CallControl(settings, http_client=http_client)
     bridge = TwilioBridge(app, settings, control, book, records_dir=records_dir_for(settings, app))
     app.state.twilio = bridge

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from personaplex_voice.engine.base import CapacityError, Persona, PersonaError
 from personaplex_voice.errors import UserError
+from personaplex_voice.session_api import SessionHost
 
 from . import twiml
 from .calls import MEDIA_STREAM_PATH, VOICE_PATH, CallControl
@@ -129,8 +130,9 @@ class TwilioBridge:
                 log.warning("twilio: persona %r asks for recordings, but no --records-dir is set", spec.name)
 
     @property
-    def manager(self) -> Any:
-        return self.app.state.manager
+    def manager(self) -> SessionHost | None:
+        """The server's session host (None while the engine loads)."""
+        return self.app.state.host
 
     def _live_call_sids(self) -> set[str]:
         return {call.call_sid for call in list(self.registry.live.values())} | self.parking.call_sids

@@ -32,7 +32,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from personaplex_voice.engine.base import CapacityError, Persona
-from personaplex_voice.sessions import TicketError
+from personaplex_voice.session_api import CallSession, SessionHost, TicketError
 
 from . import twiml
 from .actions import ActionRule
@@ -91,7 +91,7 @@ class CallServices:
     """What a stream uses of the bridge, and nothing more."""
 
     settings: TwilioSettings
-    manager: Callable[[], Any]  # the server's SessionManager (None while the engine loads)
+    manager: Callable[[], SessionHost | None]  # the server's session host (None while the engine loads)
     registry: CallRegistry
     control: CallControl
     book: PersonaBook
@@ -117,7 +117,7 @@ class MediaStreamCall:
         self.stream_sid = ""
         self.call_sid = ""
         self.call: PhoneCall | None = None
-        self.session: Any = None
+        self.session: CallSession | None = None
         self.session_ready = False
         self.caller = CallerAudio(settings.inbound_slack_ms)
         self.playout = Playout(

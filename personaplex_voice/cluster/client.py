@@ -1,28 +1,26 @@
-"""The front-end's side of the split: `ClusterClient`, the `SessionManager` API over engine workers.
+"""The front-end's side of the split: `ClusterClient`, a `session_api.SessionHost` over engine workers.
 
 A front-end process (no torch) holds one `WorkerLink` per engine worker: one connection
 carrying all of this front-end's sessions there (`wire.py`), reconnecting with back-off while
-the worker is down. Transports see a `ClusterClient` where they used to see a `SessionManager`
-and `RemoteSession`s where they used to see `Session`s; nothing else changes for them.
+the worker is down. Transports see the same declared API as in one process; nothing else
+changes for them.
 
 - `open(persona)` places the session (`placement.choose_worker`: a free slot, preferring a
   worker whose persona cache holds the persona), sends OPEN and returns once the worker took it
   (or raises its typed refusal: `PersonaError`, `CapacityError`). When no worker has a free slot
-  and `max_queue` allows, the session waits here, with its position, and is placed when a worker
-  reports room. Positions count this front-end's queue.
-- Audio is framed here (1920-sample frames, float32) and sent as it completes; output frames
-  come back one message each, into a bounded queue per session (a slow consumer loses its own
-  oldest frames, in real time; in lossless mode the worker waits for credit instead).
+  and `max_queue` allows, the session waits here in the same `WaitingQueue` an embedded host
+  uses, and is placed when a worker reports room. Positions count this front-end's queue.
+- Audio is framed by each `RemoteSession` and sent as frames complete; output frames come back
+  one message each, into a bounded queue per session.
 - Capacity, occupancy, reservations and readiness are cluster-wide: they sum what every worker
   last reported (its STATUS, every 250 ms) and what this front-end has in flight.
-- A worker whose connection ends (its process died: the kernel closes the socket at once; or
-  silent past `peer_timeout_s`) ends its sessions here at once with close reason "engine_lost";
-  new sessions go to the other workers; the link reconnects when the worker is back.
-- `reserve(ttl_s)` mints a ticket naming the worker that holds the slot (`<worker>.<random>`),
-  so any front-end can redeem it there.
+- A worker whose connection ends ends its sessions here at once with close reason
+  "engine_lost"; new sessions go to the other workers; the link reconnects when it is back.
+- `reserve(ttl_s)` mints the ticket id (`<worker>.<random>`) and the worker reserves under that
+  same id, so any front-end can redeem it there.
 
-Every method is called from the front-end's event loop (the one `start` ran on), except
-`close_nowait`, which may be called from any thread.
+Every method is called from the front-end's event loop (the one `start` ran on); a session's
+`close_nowait` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -31,20 +29,18 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from personaplex_voice.cluster import wire
+from personaplex_voice.cluster.observe import worker_snapshots
 from personaplex_voice.cluster.placement import Candidate, choose_worker, persona_fingerprint
 from personaplex_voice.cluster.procs import HopSamples, host_identity
-from personaplex_voice.cluster.remote_session import PLACING, QUEUED, RemoteSession
-from personaplex_voice.cluster.wire import Kind
-from personaplex_voice.cluster.worker_link import Discovery, Endpoint, EndpointResolver, WorkerLink
+from personaplex_voice.cluster.remote_session import RemoteSession, RemoteSessionConfig
+from personaplex_voice.cluster.worker_link import Endpoint, EndpointResolver, Identity, WorkerLink
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
     SAMPLE_RATE,
@@ -54,19 +50,26 @@ from personaplex_voice.engine.base import (
     PersonaError,
     VoiceInfo,
 )
-from personaplex_voice.metrics import CLOSE_REASONS, Counter, Gauge
-from personaplex_voice.sessions import SessionClosed, Ticket, TicketError
+from personaplex_voice.engine.scheduler import (
+    SessionState,
+    Ticket,
+    TicketError,
+    WaitingQueue,
+    default_max_input_s,
+    new_ticket_id,
+)
+from personaplex_voice.metrics import CLOSE_REASONS, Counter, Gauge, InstrumentSet, LabelledSnapshot
+from personaplex_voice.session_api import SessionClosed, occupancy
 
 log = logging.getLogger("personaplex_voice.cluster.client")
 
 OPEN_TIMEOUT_S = 30.0  # a worker answers an OPEN after the persona's prepare (a voice file load)
 
-
-# -- the manager API --------------------------------------------------------------------------------
+Discovery = Callable[["ClusterClient"], Awaitable[None]]
 
 
 @dataclass
-class FrontendMetrics:
+class FrontendMetrics(InstrumentSet):
     """The front-end's own instruments (the workers' come from their STATUS, see observe.py)."""
 
     sessions_opened: Counter
@@ -102,47 +105,16 @@ class FrontendMetrics:
             workers_up=Gauge("frontend_engine_workers_up", "Engine workers this front-end is connected to"),
         )
 
-    def instruments(self) -> Iterable[Counter | Gauge]:
-        for value in vars(self).values():
-            if isinstance(value, Counter | Gauge):
-                yield value
-
-
-class ClusterEngineView:
-    """What transports read off `manager.engine`: a name, the slot count and the voices."""
-
-    def __init__(self, client: ClusterClient):
-        self._client = client
-
-    @property
-    def name(self) -> str:
-        names = sorted({str(link.info.get("engine")) for link in self._client.links_up()})
-        return "+".join(names) if names else self._client.fallback_name
-
-    @property
-    def num_slots(self) -> int:
-        return self._client.capacity
-
-    def voices(self) -> list[VoiceInfo]:
-        seen: dict[str, VoiceInfo] = {}
-        for link in self._client.links_up():
-            for voice in link.info.get("voices") or ():
-                if isinstance(voice, dict) and voice.get("name") not in seen:
-                    seen[voice["name"]] = VoiceInfo(
-                        str(voice["name"]), str(voice["kind"]), str(voice["source"])
-                    )
-        return list(seen.values())
-
 
 class ClusterClient:
-    """The SessionManager API of a front-end, over engine workers.
+    """The SessionHost of a front-end, over engine workers.
 
     Workers are added with `add_worker(worker_id, resolve)`: `resolve()` returns the worker's
     current `Endpoint` or None while it is unknown; it is called before each connection attempt
     (Ray discovery answers with the actor's new address after a restart). `add_discovery(fn)`
     runs `fn(client)` as a task from `start` (it adds and removes workers as it finds them).
     `realtime` must match the workers' mode (it decides whether audio pushed before a session is
-    ready is dropped, as a realtime manager does).
+    ready is dropped, as a realtime host does).
     """
 
     def __init__(
@@ -157,29 +129,25 @@ class ClusterClient:
         peer_timeout_s: float = 3.0,
         fallback_name: str = "cluster",
     ):
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.frontend_id = frontend_id
-        self.max_queue = max_queue
-        self.realtime = realtime
-        self.output_frames = output_frames
         if max_input_s is None:
-            max_input_s = 1.0 if realtime else 600.0
-        self.max_input_samples = max(FRAME_SIZE, round(max_input_s * SAMPLE_RATE))
+            max_input_s = default_max_input_s(realtime)
+        self.frontend_id = frontend_id
         self.retry_after_s = retry_after_s
-        self.peer_timeout_s = peer_timeout_s
         self.fallback_name = fallback_name
-        self.host = host_identity()
+        self.session_config = RemoteSessionConfig(
+            realtime=realtime,
+            output_frames=output_frames,
+            max_input_samples=max(FRAME_SIZE, round(max_input_s * SAMPLE_RATE)),
+        )
+        self.identity = Identity(frontend_id, host_identity(), peer_timeout_s)
         self.metrics = FrontendMetrics.create()
-        self.engine = ClusterEngineView(self)
         self.output_hops = HopSamples()
         self.draining = False
         self._links: dict[str, WorkerLink] = {}
         self._sessions: dict[str, RemoteSession] = {}
-        self._queue: list[RemoteSession] = []
+        self._queue: WaitingQueue[RemoteSession] = WaitingQueue(max_queue)
         self._admitting: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
         self._turn = 0
         self._started = False
         self._link_waiters: list[asyncio.Future[None]] = []
@@ -206,7 +174,7 @@ class ClusterClient:
             raise ValueError(f"worker id {worker_id!r}: must be non-empty, without dots")
         link = self._links.get(worker_id)
         if link is None:
-            link = self._links[worker_id] = WorkerLink(self, worker_id, resolve)
+            link = self._links[worker_id] = WorkerLink(self, self.identity, worker_id, resolve)
             if self._started:
                 link.start()
         return link
@@ -236,13 +204,33 @@ class ClusterClient:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(fut, max(0.01, deadline - time.monotonic()))
 
-    # ---- the SessionManager API ------------------------------------------------------------------
+    # ---- what links tell us (`worker_link.LinkListener`) -------------------------------------------
+
+    def link_changed(self, link: WorkerLink) -> None:
+        self.metrics.workers_up.set(len(self.links_up()))
+        waiters, self._link_waiters = self._link_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._kick_queue()
+
+    def output_hop(self, seconds: float) -> None:
+        self.output_hops.add(seconds)
+
+    # ---- the SessionHost API ---------------------------------------------------------------------
+
+    @property
+    def realtime(self) -> bool:
+        return self.session_config.realtime
+
+    @property
+    def model_name(self) -> str:
+        names = sorted({str(link.info.get("engine")) for link in self.links_up()})
+        return "+".join(names) if names else self.fallback_name
 
     @property
     def capacity(self) -> int:
-        return sum(
-            int(link.status.get("capacity", link.info.get("num_slots", 0))) for link in self.links_up()
-        )
+        return sum(link.capacity for link in self.links_up())
 
     @property
     def active_count(self) -> int:
@@ -254,9 +242,7 @@ class ClusterClient:
 
     @property
     def reserved_count(self) -> int:
-        return sum(
-            int(link.status.get("reserved", 0)) + link.unacked_reservations for link in self.links_up()
-        )
+        return sum(link.reserved for link in self.links_up())
 
     @property
     def available(self) -> int:
@@ -270,11 +256,20 @@ class ClusterClient:
         """This front-end's sessions not yet closed."""
         return list(self._sessions.values())
 
+    def voices(self) -> list[VoiceInfo]:
+        seen: dict[str, VoiceInfo] = {}
+        for link in self.links_up():
+            for voice in link.info.get("voices") or ():
+                if isinstance(voice, dict) and voice.get("name") not in seen:
+                    seen[voice["name"]] = VoiceInfo(
+                        str(voice["name"]), str(voice["kind"]), str(voice["source"])
+                    )
+        return list(seen.values())
+
     async def start(self) -> None:
         if self._started:
             return
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._started = True
         self.draining = False
         for link in self._links.values():
@@ -284,7 +279,7 @@ class ClusterClient:
 
     async def shutdown(self) -> None:
         for session in self.sessions:
-            session._close("shutdown", None, tell_worker=True)
+            session.end("shutdown", None, tell_worker=True)
         await asyncio.sleep(0)  # the CLOSE messages go out
         for task in self._discovery_tasks:
             task.cancel()
@@ -300,8 +295,9 @@ class ClusterClient:
         if not self.draining:
             log.info("draining: %d session(s) running, no new ones admitted", len(self._sessions))
         self.draining = True
-        for session in list(self._queue):
-            session._close("shutdown", SessionClosed("shutdown"), tell_worker=False)
+        for session in self._queue.clear():
+            session.end("shutdown", SessionClosed("shutdown"), tell_worker=False)
+        self.metrics.queued_sessions.set(0)
 
     async def open(self, persona: Persona | None = None, *, ticket: str | None = None) -> RemoteSession:
         """Place a conversation on an engine worker; see the module docstring. With `ticket`
@@ -314,7 +310,8 @@ class ClusterClient:
             raise CapacityError("this server is draining for a restart; retry in 1 s", retry_after_s=1.0)
         if persona is None and ticket is None:
             raise PersonaError("no persona given (and no ticket carrying one)")
-        session = RemoteSession(self, persona)
+        assert self._loop is not None
+        session = RemoteSession(self.session_config, persona, loop=self._loop, on_end=self._session_ended)
         if ticket is not None:
             await self._open_with_ticket(session, ticket)
         else:
@@ -331,15 +328,15 @@ class ClusterClient:
         link = self._choose(None) if not self.draining else None
         if link is None:
             self.metrics.sessions_rejected.inc(label="full")
-            raise CapacityError(self._full_message(), retry_after_s=self.retry_after_s)
-        ticket = Ticket(f"{link.worker_id}.{secrets.token_urlsafe(18)}", time.monotonic() + ttl_s, persona)
-        link.unacked_reservations += 1
-        request = {
-            "ticket": ticket.id,
-            "ttl_s": ttl_s,
-            "persona": None if persona is None else wire.persona_to_json(persona),
-        }
-        link.send(wire.json_message(Kind.RESERVE, link.new_channel(), request))
+            raise self._refusal()[1]
+        ticket = Ticket(f"{link.worker_id}.{new_ticket_id()}", time.monotonic() + ttl_s, persona)
+        link.reserve(
+            {
+                "ticket": ticket.id,
+                "ttl_s": ttl_s,
+                "persona": None if persona is None else wire.persona_to_json(persona),
+            }
+        )
         return ticket
 
     def cancel(self, ticket_id: str) -> bool:
@@ -348,7 +345,7 @@ class ClusterClient:
         link = self._links.get(ticket_id.partition(".")[0])
         if link is None or not link.up:
             return False
-        link.send(wire.message(Kind.CANCEL, 0, ticket_id.encode()))
+        link.cancel(ticket_id)
         return True
 
     # ---- placement -----------------------------------------------------------------------------
@@ -376,16 +373,14 @@ class ClusterClient:
                     return
                 except CapacityError:
                     continue  # its last report was stale: try the next worker
-        if len(self._queue) < self.max_queue:
-            self._register(session)
-            self._queue.append(session)
-            session.queue_position = len(self._queue)
-            self.metrics.queued_sessions.set(len(self._queue))
-            self._kick_queue()
-            return
-        reason = "full" if self.max_queue == 0 else "queue_full"
-        self.metrics.sessions_rejected.inc(label=reason)
-        raise CapacityError(self._full_message(), retry_after_s=self.retry_after_s)
+        if self._queue.full:
+            reason, error = self._refusal()
+            self.metrics.sessions_rejected.inc(label=reason)
+            raise error
+        self._register(session)
+        self._queue.append(session)
+        self.metrics.queued_sessions.set(len(self._queue))
+        self._kick_queue()
 
     async def _open_with_ticket(self, session: RemoteSession, ticket: str) -> None:
         link = self._links.get(ticket.partition(".")[0])
@@ -394,45 +389,32 @@ class ClusterClient:
             raise TicketError("the engine worker holding this ticket is not reachable", retry_after_s=None)
         await self._place(session, link, ticket)
 
-    def _full_message(self) -> str:
+    def _refusal(self) -> tuple[str, CapacityError]:
+        """(the rejection label, the error) for an open that neither fits nor may wait."""
         workers = len(self.links_up())
         if not workers:
-            return "no engine worker is up; retry in a few seconds"
-        queue = f" and the queue of {self.max_queue} is full" if self.max_queue else ""
-        return f"all {self.capacity} sessions on {workers} engine worker(s) are busy{queue}"
+            message = "no engine worker is up; retry in a few seconds"
+            return "full", CapacityError(message, retry_after_s=self.retry_after_s)
+        return self._queue.refusal(self.capacity, self.retry_after_s, f" on {workers} engine worker(s)")
 
     async def _place(self, session: RemoteSession, link: WorkerLink, ticket: str | None) -> None:
         """OPEN on `link`; returns once the worker holds the session. Raises its refusal."""
-        loop = asyncio.get_running_loop()
-        channel = link.new_channel()
-        session._link, session._channel, session.worker_id = link, channel, link.worker_id
-        session._state = PLACING
-        session._open_future = loop.create_future()
-        link.channels[channel] = session
-        pending = ticket is None  # a ticketed open takes the slot the worker already counts reserved
-        link.pending_opens += pending
-        link.send(
-            wire.json_message(
-                Kind.OPEN,
-                channel,
-                {
-                    "persona": None if session.persona is None else wire.persona_to_json(session.persona),
-                    "ticket": ticket,
-                },
-            )
-        )
+        request = {
+            "persona": None if session.persona is None else wire.persona_to_json(session.persona),
+            "ticket": ticket,
+        }
+        # A ticketed open takes the slot the worker already counts reserved.
+        opened = session.placing(link.open(session, request, unticketed=ticket is None))
         try:
-            await asyncio.wait_for(asyncio.shield(session._open_future), OPEN_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(opened), OPEN_TIMEOUT_S)
         except TimeoutError:
-            session._close("engine_error", EngineError("the engine worker did not answer"), tell_worker=True)
+            session.end("engine_error", EngineError("the engine worker did not answer"), tell_worker=True)
             raise EngineError(
                 f"engine worker {link.worker_id} did not answer in {OPEN_TIMEOUT_S:.0f} s"
             ) from None
         except PersonaError:
             self.metrics.sessions_rejected.inc(label="persona")
             raise
-        finally:
-            link.pending_opens = max(0, link.pending_opens - pending)
         self._register(session)
 
     def _register(self, session: RemoteSession) -> None:
@@ -447,75 +429,39 @@ class ClusterClient:
 
     async def _admit_queued(self) -> None:
         while self._queue and not self.draining:
-            session = self._queue[0]
+            session = self._queue.first()
+            assert session is not None
             link = self._choose(session.persona)
             if link is None:
                 return
-            self._queue.pop(0)
-            self._renumber()
+            self._queue.pop_first()
+            self.metrics.queued_sessions.set(len(self._queue))
             try:
                 await self._place(session, link, None)
             except CapacityError:
                 if not session.closed:
-                    self._queue.insert(0, session)
-                    self._renumber()
+                    self._queue.push_front(session)
+                    self.metrics.queued_sessions.set(len(self._queue))
                 return  # wait for the next report
             except EngineError as exc:  # PersonaError included: this session only
                 if not session.closed:
                     reason = "persona_error" if isinstance(exc, PersonaError) else "engine_error"
-                    session._close(reason, exc, tell_worker=False)
-            else:
-                session.queue_position = None
-                session._wake()
+                    session.end(reason, exc, tell_worker=False)
 
-    def _renumber(self) -> None:
-        for i, waiting in enumerate(self._queue):
-            waiting.queue_position = i + 1
-        self.metrics.queued_sessions.set(len(self._queue))
-
-    # ---- callbacks ---------------------------------------------------------------------------------
-
-    def _link_changed(self) -> None:
-        self.metrics.workers_up.set(len(self.links_up()))
-        waiters, self._link_waiters = self._link_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-        self._kick_queue()
-
-    def _session_closed(self, session: RemoteSession, previous: str, reason: str) -> None:
-        if previous == QUEUED and session in self._queue:
-            self._queue.remove(session)
-            self._renumber()
-            session.queue_position = None
+    def _session_ended(self, session: RemoteSession, previous: SessionState) -> None:
+        if previous is SessionState.QUEUED and self._queue.remove(session):
+            self.metrics.queued_sessions.set(len(self._queue))
         if self._sessions.pop(session.id, None) is not None:
+            reason = session.close_reason or "closed"
             self.metrics.sessions_closed.inc(label=reason)
+            if reason == "engine_lost":
+                self.metrics.engine_lost_sessions.inc()
             self.metrics.local_sessions.set(len(self._sessions))
 
-    def _call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self._loop is None or threading.get_ident() == self._loop_thread:
-            fn(*args)
-        else:
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    def prometheus_collector(self) -> Any:
-        """The engine workers' series for the front-end's /metrics (server/app.py registers it)."""
-        from personaplex_voice.cluster.observe import WorkerMetricsCollector
-
-        return WorkerMetricsCollector(self)
-
-    # ---- what /api/cluster and /readyz show ------------------------------------------------------
+    # ---- what /readyz, /api/cluster and /metrics show -----------------------------------------------
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """(a new unticketed session would start now, the body /readyz answers with)."""
-        body = {
-            "active": self.active_count,
-            "queued": self.queued_count,
-            "reserved": self.reserved_count,
-            "capacity": self.capacity,
-            "available": self.available,
-            "engine_workers": len(self.links_up()),
-        }
+        body = {**occupancy(self), "engine_workers": len(self.links_up())}
         if self.draining:
             return False, {"status": "draining", **body}
         if not self.links_up():
@@ -524,41 +470,8 @@ class ClusterClient:
             return False, {"status": "full", **body}
         return True, {"status": "ready", **body}
 
-    def cluster_status(self) -> dict[str, Any]:
-        workers = []
-        for link in self._links.values():
-            status, info = link.status, link.info
-            capacity = int(status.get("capacity", info.get("num_slots", 0))) if link.up else 0
-            frontends = status.get("frontends") or {}
-            workers.append(
-                {
-                    "id": link.worker_id,
-                    "up": link.up,
-                    "address": link.address,
-                    "pid": info.get("pid"),
-                    "node": info.get("node"),
-                    "device": info.get("device"),
-                    "engine": info.get("engine"),
-                    "generation": info.get("generation", 0),
-                    "restarts": max(0, link.connects - 1)
-                    if "generation" not in info
-                    else info.get("generation"),
-                    "slots": {
-                        "capacity": capacity,
-                        "used": int(status.get("active", 0)) if link.up else 0,
-                        "reserved": int(status.get("reserved", 0)) if link.up else 0,
-                        "free": max(
-                            0, capacity - int(status.get("active", 0)) - int(status.get("reserved", 0))
-                        )
-                        if link.up
-                        else 0,
-                    },
-                    "cached_personas": list(status.get("cached") or []) if link.up else [],
-                    "sessions_by_frontend": frontends if link.up else {},
-                    "frontend_pids": (status.get("frontend_pids") or {}) if link.up else {},
-                    "input_hop": link.input_hop if link.up else None,
-                }
-            )
+    def describe(self) -> dict[str, Any]:
+        workers = [_describe_link(link) for link in self._links.values()]
         return {
             "mode": "cluster",
             "frontend": {
@@ -572,9 +485,37 @@ class ClusterClient:
                 "draining": self.draining,
                 "output_hop": self.output_hops.summary_ms(),
             },
-            "capacity": self.capacity,
-            "active": self.active_count,
-            "available": self.available,
-            "reserved": self.reserved_count,
+            **occupancy(self),
             "workers": workers,
         }
+
+    def metrics_snapshots(self) -> list[LabelledSnapshot]:
+        return [LabelledSnapshot({}, self.metrics.snapshot()), *worker_snapshots(self.links)]
+
+
+def _describe_link(link: WorkerLink) -> dict[str, Any]:
+    status, info, up = link.status, link.info, link.up
+    capacity = link.capacity
+    used = int(status.get("active", 0)) if up else 0
+    reserved = int(status.get("reserved", 0)) if up else 0
+    return {
+        "id": link.worker_id,
+        "up": up,
+        "address": link.address,
+        "pid": info.get("pid"),
+        "node": info.get("node"),
+        "device": info.get("device"),
+        "engine": info.get("engine"),
+        "generation": info.get("generation", 0),
+        "restarts": max(0, link.connects - 1) if "generation" not in info else info.get("generation"),
+        "slots": {
+            "capacity": capacity,
+            "used": used,
+            "reserved": reserved,
+            "free": max(0, capacity - used - reserved) if up else 0,
+        },
+        "cached_personas": list(status.get("cached") or []) if up else [],
+        "sessions_by_frontend": (status.get("frontends") or {}) if up else {},
+        "frontend_pids": (status.get("frontend_pids") or {}) if up else {},
+        "input_hop": link.input_hop if up else None,
+    }

@@ -27,7 +27,7 @@ from typing import Any
 
 from personaplex_voice.cluster.client import ClusterClient
 from personaplex_voice.cluster.procs import die_with_parent
-from personaplex_voice.cluster.worker import settings_from_file
+from personaplex_voice.process.settings import ServerSettings, settings_from_file
 
 log = logging.getLogger("personaplex_voice.cluster.frontend")
 
@@ -45,7 +45,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_client(settings: Any, index: int, workers: list[str], secret: str) -> ClusterClient:
+def build_client(settings: ServerSettings, index: int, workers: list[str], secret: str) -> ClusterClient:
     client = ClusterClient(
         frontend_id=f"fe{index}",
         max_queue=settings.max_queue,
@@ -59,15 +59,13 @@ def build_client(settings: Any, index: int, workers: list[str], secret: str) -> 
 
 
 def draining_server_class(drain_s: float) -> Any:
-    from personaplex_voice.server.command import call_ending_server_class
+    from personaplex_voice.process.uvicorn_setup import server_class
 
-    base = call_ending_server_class()
-
-    class DrainingServer(base):  # type: ignore[misc, valid-type]
+    class DrainingServer(server_class()):  # type: ignore[misc]
         """The first SIGTERM starts a drain instead of exiting (see the module docstring)."""
 
-        def __init__(self, config: Any, app: Any, client: ClusterClient):
-            super().__init__(config, app)
+        def __init__(self, config: Any, before_close: Any, client: ClusterClient):
+            super().__init__(config, before_close)
             self.client = client
             self.drain_deadline: float | None = None
 
@@ -104,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     settings = settings_from_file(args.settings, **({"port": args.port} if args.port is not None else {}))
 
-    from personaplex_voice.server.app import create_app
-    from personaplex_voice.server.command import configure_logging, uvicorn_config
+    from personaplex_voice.process.logs import configure_logging
+    from personaplex_voice.process.uvicorn_setup import uvicorn_config
+    from personaplex_voice.server.app import create_app, end_all_calls
 
     configure_logging(settings, f"%(asctime)s %(levelname)s front-end[{args.index}] %(name)s: %(message)s")
     secret = os.environ.get("PERSONAPLEX_CLUSTER_SECRET", "")
@@ -114,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         from personaplex_voice.cluster.ray_actors import ray_discovery
 
         client.add_discovery(ray_discovery(args.ray))
-    app = create_app(settings, manager=client)
+    app = create_app(settings, host=client)
     config = uvicorn_config(settings, app)
-    server = draining_server_class(settings.drain_s)(config, app, client)
+    server = draining_server_class(settings.drain_s)(config, lambda: end_all_calls(app), client)
     sock = listening_socket(settings.host, settings.port)
     log.info("front-end %d (pid %d) serving on %s:%d", args.index, os.getpid(), settings.host, settings.port)
     server.run(sockets=[sock])

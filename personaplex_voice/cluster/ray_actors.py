@@ -55,13 +55,13 @@ class EngineActor:
         ray = _ray()
         from personaplex_voice.cluster.procs import host_identity
         from personaplex_voice.cluster.worker import EngineWorker, WorkerInfo, build_manager, engine_device
-        from personaplex_voice.server.config import ServerSettings
+        from personaplex_voice.process.settings import ServerSettings
 
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s engine-actor[{worker_id}] %(message)s")
         settings = ServerSettings(**settings_values)
         manager = build_manager(settings)
         if settings.tune_runtime:
-            from personaplex_voice.server import runtime
+            from personaplex_voice.process import runtime
 
             runtime.tune_for_realtime()
         node = ray.util.get_node_ip_address()

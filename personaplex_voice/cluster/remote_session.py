@@ -1,27 +1,31 @@
-"""`RemoteSession`: one conversation on an engine worker, with the `Session` API of sessions.py.
+"""`RemoteSession`: one conversation on an engine worker, a `session_api.CallSession`.
 
-Made and placed by `ClusterClient.open`; it frames pushed audio into 1920-sample frames and
-sends them over its worker's `WorkerLink` as they complete, and takes the worker's answers
-(opened, ready, frames, closed, refused, the link lost) from that link. Output frames wait in a
-bounded queue (a slow consumer loses its own oldest, in real time). Called from the front-end's
-event loop, except `close_nowait`, which may be called from any thread.
+Made by `ClusterClient.open`, which queues and places it; once placed it holds a `WorkerChannel`
+(its send side on the worker's link) and hears the worker's answers on that channel
+(`worker_opened`, `worker_ready`, `worker_frame`, `worker_closed`, `worker_refused`,
+`worker_lost`). It frames pushed audio into 1920-sample frames and sends them as they complete;
+output frames wait in a bounded queue (a slow consumer loses its own oldest, in real time).
+Its state is a `SessionRecord` like an embedded session's. Called from the front-end's event
+loop, except `close_nowait`, which may be called from any thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from personaplex_voice.audio.framing import FrameBuffer
 from personaplex_voice.cluster import wire
-from personaplex_voice.cluster.wire import Kind
+from personaplex_voice.cluster.worker_link import WorkerChannel
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
     SAMPLE_RATE,
@@ -30,43 +34,46 @@ from personaplex_voice.engine.base import (
     Persona,
     PersonaError,
 )
-from personaplex_voice.sessions import OutFrame, SessionClosed, TicketError, pushed_samples
-
-if TYPE_CHECKING:
-    from personaplex_voice.cluster.client import ClusterClient
-    from personaplex_voice.cluster.worker_link import WorkerLink
-
+from personaplex_voice.engine.scheduler import SessionRecord, SessionState
+from personaplex_voice.session_api import OutFrame, SessionClosed, pushed_samples
 
 ENGINE_LOST = "engine_lost"
 
 
-# -- the session ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteSessionConfig:
+    """What a remote session needs of its host's settings."""
 
-QUEUED, PLACING, JOINING, RUNNING, CLOSED = "queued", "placing", "joining", "running", "closed"
+    realtime: bool  # audio pushed before the session is ready is dropped, as an embedded one does
+    output_frames: int  # output queue bound
+    max_input_samples: int  # input backlog bound
 
 
 class RemoteSession:
-    """One conversation on an engine worker, with the `Session` API (see sessions.py)."""
+    """One conversation on an engine worker (see the module docstring)."""
 
-    def __init__(self, client: ClusterClient, persona: Persona | None):
+    def __init__(
+        self,
+        config: RemoteSessionConfig,
+        persona: Persona | None,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        on_end: Callable[[RemoteSession, SessionState], None],
+    ):
         self.id = uuid.uuid4().hex[:16]
         self.persona = persona  # None until the worker says which (a ticket's persona)
-        self.queue_position: int | None = None
-        self.close_reason: str | None = None
-        self.worker_id: str | None = None
-        self._client = client
-        self._state = QUEUED
-        self._link: WorkerLink | None = None
-        self._channel = 0
-        self._open_future: asyncio.Future[None] | None = None
-        self._error: BaseException | None = None
-        self._was_ready = False
-        self._input = FrameBuffer(FRAME_SIZE, max_samples=client.max_input_samples)
+        self._config = config
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._on_end = on_end
+        self._record = SessionRecord(self.id, time.monotonic())
+        self._channel: WorkerChannel | None = None  # kept after the session ended (its worker id)
+        self._opened: asyncio.Future[None] | None = None
+        self._input = FrameBuffer(FRAME_SIZE, max_samples=config.max_input_samples)
         self._input_ended = False
         self._end_sent = False
         self._out: deque[OutFrame] = deque()
         self._waiters: list[asyncio.Future[None]] = []
-        self._opened_at = time.monotonic()
         self._worker_stats: dict[str, Any] = {}
         self._counts = {
             "frames_in": 0,
@@ -76,15 +83,35 @@ class RemoteSession:
             "dropped_pre_ready_samples": 0,
         }
 
-    # ---- the Session API ----------------------------------------------------------------------
+    # ---- state ---------------------------------------------------------------------------------
+
+    @property
+    def record(self) -> SessionRecord:
+        return self._record
+
+    @property
+    def state(self) -> SessionState:
+        return self._record.state
 
     @property
     def closed(self) -> bool:
-        return self._state == CLOSED
+        return self._record.closed
 
     @property
     def ready_now(self) -> bool:
-        return self._state == RUNNING
+        return self._record.state is SessionState.RUNNING
+
+    @property
+    def queue_position(self) -> int | None:
+        return self._record.queue_position
+
+    @property
+    def close_reason(self) -> str | None:
+        return self._record.close_reason
+
+    @property
+    def worker_id(self) -> str | None:
+        return None if self._channel is None else self._channel.worker_id
 
     @property
     def slot(self) -> None:
@@ -92,8 +119,9 @@ class RemoteSession:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """The `Session.stats` keys: this side's counts (frames that crossed, drops here) over the
-        worker's (its READY, then its final stats once the session ended), plus `worker`."""
+        """The embedded session's `stats` keys: this side's counts (frames that crossed, drops
+        here) over the worker's (its READY, then its final stats once the session ended), plus
+        `worker`."""
         worker = self._worker_stats
         local = dict(self._counts)
         return {
@@ -108,7 +136,7 @@ class RemoteSession:
             "dropped_output_frames": local["dropped_output_frames"]
             + int(worker.get("dropped_output_frames") or 0),
             "id": self.id,
-            "state": self._state,
+            "state": self.state.value,
             "slot": None,
             "worker": self.worker_id,
             "queue_position": self.queue_position,
@@ -118,23 +146,24 @@ class RemoteSession:
             "duration_s": local["frames_out"] * FRAME_SIZE / SAMPLE_RATE,
         }
 
+    # ---- the CallSession API -----------------------------------------------------------------------
+
     async def ready(self) -> None:
         """Until the worker runs the session; raises PersonaError / SessionClosed as `Session`."""
-        while True:
-            if self._was_ready:
-                return
-            if self._state == CLOSED:
-                if self._error is not None:
-                    raise self._error
-                raise SessionClosed(self.close_reason or "closed")
+        record = self._record
+        while not record.was_ready:
+            if record.closed:
+                if record.error is not None:
+                    raise record.error
+                raise SessionClosed(record.close_reason or "closed")
             await self._wait()
 
     def push(self, pcm: np.ndarray) -> None:
         """As `Session.push`: whole frames go to the worker as they complete."""
         x = pushed_samples(pcm)
-        if self._state == CLOSED or self._input_ended:
+        if self.closed or self._input_ended:
             return
-        if self._client.realtime and self._state != RUNNING:
+        if self._config.realtime and not self.ready_now:
             self._counts["dropped_pre_ready_samples"] += x.size
             return
         dropped = self._input.push(x)
@@ -144,7 +173,7 @@ class RemoteSession:
 
     def end_input(self) -> None:
         """As `Session.end_input`: the padded last frame, then END_INPUT."""
-        if self._input_ended or self._state == CLOSED:
+        if self._input_ended or self.closed:
             return
         self._input_ended = True
         self._send_input()
@@ -154,10 +183,11 @@ class RemoteSession:
         while True:
             if self._out:
                 frame = self._out.popleft()
-                if self._link is not None and self._lossless:
-                    self._link.send(wire.credit_message(self._channel, 1))
+                channel = self._channel
+                if channel is not None and channel.lossless:
+                    channel.send_credit(1)
                 yield frame
-            elif self._state == CLOSED:
+            elif self.closed:
                 return
             else:
                 await self._wait()
@@ -165,26 +195,113 @@ class RemoteSession:
     def seconds_to_next_tick(self) -> float | None:
         """How long until the worker's engine next takes an input frame (from its last report,
         projected on its frame period); None while its clock is idle or unknown."""
-        link = self._link
-        return None if link is None else link.seconds_to_next_tick()
+        return None if self._channel is None else self._channel.seconds_to_next_tick()
 
     async def close(self, reason: str = "client") -> None:
-        self._close(reason, None, tell_worker=True)
+        self.end(reason, None, tell_worker=True)
 
     def close_nowait(self, reason: str = "client") -> None:
-        self._client._call_in_loop(self._close, reason, None, True)
+        if threading.get_ident() == self._loop_thread:
+            self.end(reason, None, tell_worker=True)
+        else:
+            self._loop.call_soon_threadsafe(self.end, reason, None, True)
 
     def __repr__(self) -> str:
-        return f"<RemoteSession {self.id} {self._state} worker={self.worker_id}>"
+        return f"<RemoteSession {self.id} {self.state.value} worker={self.worker_id}>"
 
-    # ---- plumbing ------------------------------------------------------------------------------
+    # ---- the host's side: queueing, placing, ending ---------------------------------------------
 
-    @property
-    def _lossless(self) -> bool:
-        return bool(self._link is not None and self._link.info.get("lossless"))
+    def placing(self, channel: WorkerChannel) -> asyncio.Future[None]:
+        """The host sent OPEN on `channel`; the future resolves once the worker took the session
+        (or fails with its refusal)."""
+        self._channel = channel
+        self._record.mark_placing()
+        self._opened = self._loop.create_future()
+        return self._opened
+
+    def end(self, reason: str, error: BaseException | None, tell_worker: bool) -> None:
+        """End the session here (idempotent); `tell_worker` sends CLOSE when the worker holds it."""
+        record = self._record
+        previous = record.state
+        if not record.mark_closed(reason, error):
+            return
+        self._input.clear()
+        channel = self._channel
+        if channel is not None:
+            if tell_worker and previous in (SessionState.PLACING, SessionState.JOINING, SessionState.RUNNING):
+                channel.close(reason)
+            else:
+                channel.forget()
+        if self._opened is not None and not self._opened.done():
+            self._opened.set_exception(error or SessionClosed(reason))
+            self._opened.exception()  # retrieved: the opener may be gone
+        self._on_end(self, previous)
+        self._wake()
+
+    # ---- what the worker says (the link calls these: `worker_link.ChannelListener`) -----------------
+
+    def worker_opened(self, answer: dict[str, Any]) -> None:
+        if self.state is not SessionState.PLACING:
+            return
+        if self.persona is None:
+            with contextlib.suppress(PersonaError):
+                self.persona = wire.persona_from_json(answer.get("persona"))
+        self._record.mark_joining(None, time.monotonic() - self._record.opened_at)
+        if self._opened is not None and not self._opened.done():
+            self._opened.set_result(None)
+        self._send_input()
+        self._wake()
+
+    def worker_ready(self, answer: dict[str, Any]) -> None:
+        if self.state not in (SessionState.JOINING, SessionState.PLACING):
+            return
+        self._worker_stats.update({k: answer.get(k) for k in ("cache_hit", "prefill_ms", "queue_wait_ms")})
+        self._record.mark_running(time.monotonic(), None, answer.get("cache_hit"))
+        self._send_input()
+        self._wake()
+
+    def worker_frame(self, frame: OutFrame) -> None:
+        if self.closed:
+            return
+        channel = self._channel
+        if channel is None or not channel.lossless:
+            while len(self._out) >= self._config.output_frames:
+                self._out.popleft()
+                self._counts["dropped_output_frames"] += 1
+        self._out.append(frame)
+        self._counts["frames_out"] += 1
+        if self._waiters:
+            self._wake()
+
+    def worker_closed(self, answer: dict[str, Any]) -> None:
+        stats = answer.get("stats")
+        if isinstance(stats, dict):
+            self._worker_stats.update(stats)
+        reason = str(answer.get("reason") or "closed")
+        error: BaseException | None = None
+        if answer.get("error") == "persona":
+            error = PersonaError(str(answer.get("message") or "the persona was refused"))
+        elif answer.get("error"):
+            error = SessionClosed(reason)
+        self.end(reason, error, tell_worker=False)
+
+    def worker_refused(self, error: EngineError) -> None:
+        """The worker would not take the session: back to the opener (or the queue)."""
+        self._channel = None
+        self._record.mark_unplaced()
+        if self._opened is not None and not self._opened.done():
+            self._opened.set_exception(error)
+
+    def worker_lost(self) -> None:
+        if self.state is SessionState.PLACING and self._opened is not None and not self._opened.done():
+            self.worker_refused(CapacityError("the engine worker went away", retry_after_s=1.0))
+            return
+        self.end(ENGINE_LOST, SessionClosed(ENGINE_LOST), tell_worker=False)
+
+    # ---- plumbing ------------------------------------------------------------------------------------
 
     async def _wait(self) -> None:
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._loop.create_future()
         self._waiters.append(fut)
         await fut
 
@@ -195,117 +312,19 @@ class RemoteSession:
                 fut.set_result(None)
 
     def _send_input(self) -> None:
-        """Whole frames go to the worker once it holds the session; the end of input (padded
-        by the worker's session) after them."""
-        link = self._link
-        if link is None or self._state not in (JOINING, RUNNING):
+        """Whole frames go to the worker once it holds the session; the end of input (padded as
+        the worker's session would pad it) after them."""
+        channel = self._channel
+        if channel is None or self.state not in (SessionState.JOINING, SessionState.RUNNING):
             return
         now = time.monotonic()
         while (frame := self._input.pop()) is not None:
-            link.send(wire.audio_message(self._channel, frame, now))
+            channel.send_audio(frame, now)
             self._counts["frames_in"] += 1
         if self._input_ended and not self._end_sent:
-            last = self._input.pop_padded()  # the worker would pad it the same way
+            last = self._input.pop_padded()
             if last is not None:
-                link.send(wire.audio_message(self._channel, last, now))
+                channel.send_audio(last, now)
                 self._counts["frames_in"] += 1
-            link.send(wire.message(Kind.END_INPUT, self._channel))
+            channel.send_end_input()
             self._end_sent = True
-
-    def _close(self, reason: str, error: BaseException | None, tell_worker: bool) -> None:
-        if self._state == CLOSED:
-            return
-        previous = self._state
-        self._state = CLOSED
-        self.close_reason = reason
-        self._error = error
-        self._input.clear()
-        link = self._link
-        if link is not None and tell_worker and previous in (PLACING, JOINING, RUNNING):
-            link.send(wire.message(Kind.CLOSE, self._channel, reason[:80].encode()))
-            link.freed_since_status += 1
-        if link is not None and not tell_worker:
-            link.channels.pop(self._channel, None)
-        if self._open_future is not None and not self._open_future.done():
-            self._open_future.set_exception(error or SessionClosed(reason))
-            self._open_future.exception()  # retrieved: the opener may be gone
-        self._client._session_closed(self, previous, reason)
-        self._wake()
-
-    # ---- what the worker says (the link calls these) ------------------------------------------
-
-    def _on_opened(self, answer: dict[str, Any]) -> None:
-        if self._state != PLACING:
-            return
-        if self.persona is None:
-            with contextlib.suppress(PersonaError):
-                self.persona = wire.persona_from_json(answer.get("persona"))
-        self._state = JOINING
-        if self._open_future is not None and not self._open_future.done():
-            self._open_future.set_result(None)
-        self._send_input()
-
-    def _on_ready(self, answer: dict[str, Any]) -> None:
-        if self._state not in (JOINING, PLACING):
-            return
-        self._worker_stats.update({k: answer.get(k) for k in ("cache_hit", "prefill_ms", "queue_wait_ms")})
-        self._state = RUNNING
-        self._was_ready = True
-        self._send_input()
-        self._wake()
-
-    def _on_frame(self, frame: OutFrame) -> None:
-        if self._state == CLOSED:
-            return
-        limit = self._client.output_frames
-        if not self._lossless:
-            while len(self._out) >= limit:
-                self._out.popleft()
-                self._counts["dropped_output_frames"] += 1
-        self._out.append(frame)
-        self._counts["frames_out"] += 1
-        if self._waiters:
-            self._wake()
-
-    def _on_closed(self, answer: dict[str, Any]) -> None:
-        stats = answer.get("stats")
-        if isinstance(stats, dict):
-            self._worker_stats.update(stats)
-        reason = str(answer.get("reason") or "closed")
-        error: BaseException | None = None
-        if answer.get("error") == "persona":
-            error = PersonaError(str(answer.get("message") or "the persona was refused"))
-        elif answer.get("error"):
-            error = SessionClosed(reason)
-        self._close(reason, error, tell_worker=False)
-
-    def _on_refused(self, error: BaseException) -> None:
-        """The worker would not take the session: back to the caller (or the queue)."""
-        if self._link is not None:
-            self._link.channels.pop(self._channel, None)
-        self._link, self._channel, self.worker_id = None, 0, None
-        if self._state == PLACING:
-            self._state = QUEUED
-        if self._open_future is not None and not self._open_future.done():
-            self._open_future.set_exception(error)
-
-    def _on_engine_lost(self) -> None:
-        if self._state in (PLACING,) and self._open_future is not None and not self._open_future.done():
-            self._on_refused(CapacityError("the engine worker went away", retry_after_s=1.0))
-            return
-        self._close(ENGINE_LOST, SessionClosed(ENGINE_LOST), tell_worker=False)
-
-
-# -- one engine worker ----------------------------------------------------------------------------
-
-
-def refusal_error(answer: dict[str, Any]) -> EngineError:
-    kind, message = answer.get("kind"), str(answer.get("message") or "refused")
-    retry = answer.get("retry_after_s")
-    if kind == "persona":
-        return PersonaError(message)
-    if kind == "ticket":
-        return TicketError(message, retry_after_s=retry)
-    if kind == "capacity":
-        return CapacityError(message, retry_after_s=retry)
-    return EngineError(message)

@@ -268,7 +268,8 @@ class Supervisor:
 
 def run_cluster(settings: Any) -> None:
     """Entry point of `serve` in cluster mode (blocks until stopped)."""
-    from personaplex_voice.server.command import check_files, configure_logging
+    from personaplex_voice.process.checks import check_files
+    from personaplex_voice.process.logs import configure_logging
 
     check_files(settings)
     configure_logging(settings, "%(asctime)s %(levelname)s supervisor %(name)s: %(message)s")

@@ -31,7 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from personaplex_voice.engine.base import FRAME_SIZE, Persona, PersonaError, Sampling
+from personaplex_voice.engine.base import (
+    FRAME_SIZE,
+    CapacityError,
+    EngineError,
+    Persona,
+    PersonaError,
+    Sampling,
+)
+from personaplex_voice.engine.scheduler import TicketError
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<IBI")
@@ -146,6 +154,40 @@ def parse_credit(body: bytes) -> int:
     if len(body) != _U32.size:
         raise WireError("a credit message is not 4 bytes")
     return _U32.unpack(body)[0]
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+
+def refusal(kind: str, message: str, retry_after_s: float | None = None) -> dict[str, Any]:
+    """A REFUSED body: `kind` is capacity, persona, ticket or engine."""
+    return {"kind": kind, "message": message, "retry_after_s": retry_after_s}
+
+
+def refusal_of(error: EngineError) -> dict[str, Any]:
+    """The REFUSED body for an error `open` raised (the inverse of `refusal_error`)."""
+    retry = getattr(error, "retry_after_s", None)
+    if isinstance(error, PersonaError):
+        return refusal("persona", str(error))
+    if isinstance(error, TicketError):
+        return refusal("ticket", str(error), retry)
+    if isinstance(error, CapacityError):
+        return refusal("capacity", str(error), retry)
+    return refusal("engine", str(error))
+
+
+def refusal_error(answer: dict[str, Any]) -> EngineError:
+    """The typed error a REFUSED body stands for, as the embedded host would raise it."""
+    kind, message = answer.get("kind"), str(answer.get("message") or "refused")
+    retry = answer.get("retry_after_s")
+    retry = float(retry) if isinstance(retry, int | float) else None
+    if kind == "persona":
+        return PersonaError(message)
+    if kind == "ticket":
+        return TicketError(message, retry_after_s=retry)
+    if kind == "capacity":
+        return CapacityError(message, retry_after_s=retry)
+    return EngineError(message)
 
 
 # -- personas ---------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import signal
@@ -41,8 +40,10 @@ from personaplex_voice.cluster import wire
 from personaplex_voice.cluster.placement import persona_fingerprint
 from personaplex_voice.cluster.procs import HopSamples, die_with_parent, host_identity
 from personaplex_voice.cluster.wire import Kind, WireError
-from personaplex_voice.engine.base import CapacityError, EngineError, PersonaError
-from personaplex_voice.sessions import TicketError
+from personaplex_voice.engine.base import EngineError, Persona, PersonaError
+from personaplex_voice.engine.scheduler import TicketError
+from personaplex_voice.process.settings import ServerSettings, settings_from_file
+from personaplex_voice.sessions import Session, SessionManager
 
 log = logging.getLogger("personaplex_voice.cluster.worker")
 
@@ -95,7 +96,7 @@ class _Channel:
     """One session on one connection, as the worker side holds it."""
 
     def __init__(self, lossless: bool, credit: int):
-        self.session: Any = None
+        self.session: Session | None = None
         self.closing: str | None = None  # CLOSE arrived while the open was under way
         self.lossless = lossless
         self.credit = credit
@@ -140,7 +141,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        self.worker._connection_ended(self)
+        self.worker.connection_ended(self)
         for channel in list(self.channels.values()):
             if channel.session is not None:
                 channel.session.close_nowait(FRONTEND_LOST)
@@ -219,9 +220,9 @@ class _Connection(asyncio.Protocol):
         elif kind is Kind.OPEN:
             self._open(channel, wire.parse_json(body))
         elif kind is Kind.RESERVE:
-            self.worker._reserve(self, channel, wire.parse_json(body))
+            self.send(wire.json_message(Kind.RESERVED, channel, self.worker.reserve(wire.parse_json(body))))
         elif kind is Kind.CANCEL:
-            self.worker._cancel(body.decode("utf-8", "replace"))
+            self.worker.cancel(body.decode("utf-8", "replace"))
         else:
             raise WireError(f"{kind.name} is not sent to an engine worker")
 
@@ -241,7 +242,7 @@ class _Connection(asyncio.Protocol):
             "pid": hello.get("pid") if isinstance(hello.get("pid"), int) else None,
         }
         self.same_host = hello.get("host") == self.worker.info.host
-        self.worker._connection_authenticated(self)
+        self.worker.connection_authenticated(self)
         self.send(wire.json_message(Kind.WELCOME, 0, self.worker.welcome()))
         self.send(wire.json_message(Kind.STATUS, 0, self.worker.status(with_metrics=True)))
 
@@ -252,17 +253,13 @@ class _Connection(asyncio.Protocol):
         if len(self.channels) >= MAX_CHANNELS:
             self._refuse(channel, "capacity", "too many sessions on one connection", retry_after_s=1.0)
             return
-        manager = self.worker.manager
-        state = _Channel(lossless=manager.lossless, credit=manager.output_frames)
+        config = self.worker.manager.config
+        state = _Channel(lossless=config.lossless, credit=config.output_frames)
         self.channels[channel] = state
         state.task = self.loop.create_task(self._run_session(channel, state, request))
 
     def _refuse(self, channel: int, kind: str, message: str, retry_after_s: float | None = None) -> None:
-        self.send(
-            wire.json_message(
-                Kind.REFUSED, channel, {"kind": kind, "message": message, "retry_after_s": retry_after_s}
-            )
-        )
+        self.send(wire.json_message(Kind.REFUSED, channel, wire.refusal(kind, message, retry_after_s)))
 
     async def _run_session(self, channel: int, state: _Channel, request: dict[str, Any]) -> None:
         try:
@@ -290,18 +287,9 @@ class _Connection(asyncio.Protocol):
             ticket = ticket if isinstance(ticket, str) else None
             raw = request.get("persona")
             persona = None if raw is None and ticket is not None else wire.persona_from_json(raw)
-            session = await worker._open_session(persona, ticket)
-        except PersonaError as exc:
-            self._refuse(channel, "persona", str(exc))
-            return
-        except TicketError as exc:
-            self._refuse(channel, "ticket", str(exc), retry_after_s=exc.retry_after_s)
-            return
-        except CapacityError as exc:
-            self._refuse(channel, "capacity", str(exc), retry_after_s=exc.retry_after_s)
-            return
-        except EngineError as exc:
-            self._refuse(channel, "engine", str(exc))
+            session = await worker.open_session(persona, ticket)
+        except EngineError as exc:  # PersonaError, CapacityError, TicketError...
+            self.send(wire.json_message(Kind.REFUSED, channel, wire.refusal_of(exc)))
             return
         state.session = session
         worker.occupancy_changed()
@@ -366,7 +354,7 @@ class EngineWorker:
 
     def __init__(
         self,
-        manager: Any,
+        manager: SessionManager,
         info: WorkerInfo,
         secret: str,
         *,
@@ -387,8 +375,9 @@ class EngineWorker:
         self._servers: list[asyncio.AbstractServer] = []
         self._status_task: asyncio.Task[None] | None = None
         self._status_soon: asyncio.Handle | None = None
-        # front-end ticket id -> the manager's ticket id (None: the reservation was refused)
-        self._tickets: dict[str, tuple[str | None, float]] = {}
+        # Opens presenting a ticket whose RESERVE has not reached us yet (another front-end
+        # minted it): each waits on a future the RESERVE resolves.
+        self._awaited_tickets: dict[str, asyncio.Future[None]] = {}
         self.started_at = time.time()
 
     # -- life ------------------------------------------------------------------------------------
@@ -438,22 +427,17 @@ class EngineWorker:
     # -- what front-ends are told --------------------------------------------------------------
 
     def welcome(self) -> dict[str, Any]:
-        engine = self.manager.engine
+        manager, config = self.manager, self.manager.config
         return {
             **asdict(self.info),
-            "engine": engine.name,
-            "num_slots": engine.num_slots,
-            "voices": [asdict(v) for v in engine.voices()],
-            "realtime": self.manager.realtime,
-            "lossless": self.manager.lossless,
-            "output_frames": self.manager.output_frames,
-            "frame_period_s": self.manager.frame_period_s,
+            "engine": manager.model_name,
+            "num_slots": manager.capacity,
+            "voices": [asdict(v) for v in manager.voices()],
+            "realtime": config.realtime,
+            "lossless": config.lossless,
+            "output_frames": config.output_frames,
+            "frame_period_s": config.frame_period_s,
             "started_at": self.started_at,
-            # how to export the metrics snapshot: {name: [counter|gauge|histogram, label name]}
-            "metric_kinds": {
-                inst.name: [inst.kind, getattr(inst, "label", None)]
-                for inst in self.manager.metrics.instruments()
-            },
         }
 
     def status(self, with_metrics: bool = False) -> dict[str, Any]:
@@ -489,9 +473,7 @@ class EngineWorker:
     def tick_due_in_s(self) -> float | None:
         """When the engine's next tick takes input (None while its clock is idle), so front-ends
         can phase paced input against it (`Session.seconds_to_next_tick`)."""
-        for session in self.manager.sessions:
-            return session.seconds_to_next_tick()
-        return None
+        return self.manager.scheduler.seconds_to_next_tick()
 
     def occupancy_changed(self) -> None:
         """A session came or went: every front-end hears it now, not at the next beat (so
@@ -524,76 +506,71 @@ class EngineWorker:
                     )
                     connection.abort()
             self._broadcast_status(with_metrics)
-            self._expire_tickets(now)
 
-    def _connection_authenticated(self, connection: _Connection) -> None:
+    def connection_authenticated(self, connection: _Connection) -> None:
         self.connections.add(connection)
         log.info("front-end %s (pid %s) connected", connection.name, connection.frontend.get("pid"))
 
-    def _connection_ended(self, connection: _Connection) -> None:
+    def connection_ended(self, connection: _Connection) -> None:
         if connection in self.connections:
             self.connections.discard(connection)
             log.info("front-end %s disconnected", connection.name)
 
     # -- sessions and tickets ------------------------------------------------------------------
 
-    async def _open_session(self, persona: Any, ticket: str | None) -> Any:
-        """`manager.open`, with a front-end's ticket mapped to the manager's own."""
+    async def open_session(self, persona: Persona | None, ticket: str | None) -> Session:
+        """`manager.open`. A ticket is the id its front-end minted, which the manager reserved
+        under; one this worker has not heard of yet may be on its way from another front-end:
+        the open waits for its RESERVE (a future, at most `TICKET_WAIT_S`) and tries once more."""
         if ticket is None:
             return await self.manager.open(persona)
-        deadline = time.monotonic() + TICKET_WAIT_S
-        while ticket not in self._tickets and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        local, _ = self._tickets.pop(ticket, (None, 0.0))
-        if local is None:
-            raise TicketError("unknown, expired or already used reservation ticket")
-        return await self.manager.open(persona, ticket=local)
+        try:
+            return await self.manager.open(persona, ticket=ticket)
+        except TicketError:
+            arrival = self._awaited_tickets.setdefault(ticket, asyncio.get_running_loop().create_future())
+            try:
+                await asyncio.wait_for(asyncio.shield(arrival), TICKET_WAIT_S)
+            except TimeoutError:
+                raise TicketError("unknown, expired or already used reservation ticket") from None
+            finally:
+                self._awaited_tickets.pop(ticket, None)
+        return await self.manager.open(persona, ticket=ticket)
 
-    def _reserve(self, connection: _Connection, request_id: int, request: dict[str, Any]) -> None:
+    def reserve(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A front-end's RESERVE: the manager reserves under the front-end's ticket id. Returns
+        the RESERVED answer."""
         ticket = str(request.get("ticket") or "")[:200]
         ttl = request.get("ttl_s")
         ttl_s = float(ttl) if isinstance(ttl, int | float) else 0.0
         answer: dict[str, Any] = {"ticket": ticket}
         try:
-            persona = None if request.get("persona") is None else wire.persona_from_json(request["persona"])
-        except PersonaError as exc:
-            persona, answer["error"] = None, str(exc)
-        if not ticket or not (0.0 < ttl_s <= 3600.0):
-            answer.update(error="bad reservation request")
-        if "error" in answer:
-            self._tickets[ticket] = (None, time.monotonic() + 5.0)
+            if not ticket or not (0.0 < ttl_s <= 3600.0):
+                raise EngineError("bad reservation request")
+            raw = request.get("persona")
+            persona = None if raw is None else wire.persona_from_json(raw)
+            self.manager.reserve(ttl_s, persona=persona, ticket_id=ticket)
+        except EngineError as exc:  # CapacityError, PersonaError, shutting down
+            answer.update(error=str(exc), retry_after_s=getattr(exc, "retry_after_s", None))
         else:
-            try:
-                local = self.manager.reserve(ttl_s, persona=persona)
-            except EngineError as exc:  # CapacityError, or shutting down
-                self._tickets[ticket] = (None, time.monotonic() + ttl_s)
-                answer.update(error=str(exc), retry_after_s=getattr(exc, "retry_after_s", None))
-            else:
-                self._tickets[ticket] = (local.id, time.monotonic() + ttl_s + TICKET_WAIT_S)
-                answer.update(ok=True)
-        connection.send(wire.json_message(Kind.RESERVED, request_id, answer))
+            answer.update(ok=True)
+        arrival = self._awaited_tickets.get(ticket)
+        if arrival is not None and not arrival.done():
+            arrival.set_result(None)
         self.occupancy_changed()
+        return answer
 
-    def _cancel(self, ticket: str) -> None:
-        local, _ = self._tickets.pop(ticket, (None, 0.0))
-        if local is not None:
-            self.manager.cancel(local)
+    def cancel(self, ticket: str) -> None:
+        if self.manager.cancel(ticket):
             self.occupancy_changed()
-
-    def _expire_tickets(self, now: float) -> None:
-        for ticket, (_, expires) in list(self._tickets.items()):
-            if now > expires:
-                del self._tickets[ticket]  # the manager expires its own reservation itself
 
 
 # -- running one as a process -----------------------------------------------------------------------
 
 
-def build_manager(settings: Any, *, realtime: bool = True) -> Any:
+def build_manager(settings: ServerSettings, *, realtime: bool = True) -> SessionManager:
     """The engine the settings ask for, warmed, inside a SessionManager that refuses when full
     (front-ends queue). Imports torch for the real model, never for the echo engine."""
-    from personaplex_voice.server.engine_loader import load_engine, warm_engine
-    from personaplex_voice.sessions import SessionManager
+    from personaplex_voice.process.engine_loader import load_engine, warm_engine
 
     engine = load_engine(settings, lambda detail: log.info("%s", detail))
     warm_engine(engine)
@@ -601,19 +578,12 @@ def build_manager(settings: Any, *, realtime: bool = True) -> Any:
     return SessionManager(engine, realtime=realtime, **options)
 
 
-def engine_device(engine: Any, settings: Any) -> str:
+def engine_device(engine: Any, settings: ServerSettings) -> str:
     """The device the engine runs on, as a string ("cpu" for the echo engine)."""
     if settings.engine != "model":
         return "cpu"
     device = getattr(engine, "device", None)
     return str(device) if device is not None else str(settings.device)
-
-
-def settings_from_file(path: str | os.PathLike[str], **overrides: Any) -> Any:
-    from personaplex_voice.server.config import ServerSettings
-
-    values = json.loads(Path(path).read_text())
-    return ServerSettings(**{**values, **overrides})
 
 
 async def _serve(worker: EngineWorker, listen: list[str]) -> None:
@@ -654,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("engine worker %s could not load its engine: %s", args.id, exc)
         return 2
     if settings.tune_runtime:
-        from personaplex_voice.server import runtime
+        from personaplex_voice.process import runtime
 
         runtime.tune_for_realtime()
     info = WorkerInfo(

@@ -1,55 +1,62 @@
-"""The frame clock: one inference thread that steps every running slot of an `Engine` per tick.
+"""The scheduler: the one owner of every session's state, and the frame clock that steps them.
 
-Only this thread calls the engine's `begin_start`, `snapshot`, `restore`, `step` and `release`.
-The scheduler is the one owner of the slot table: the session layer *asks* for a slot to be
-given (`assign`) or taken back (`vacate`), and each request becomes an entry in one FIFO of slot
-operations that this thread carries out in order. A slot freed by one session and given to the
-next is therefore always released before it is started again, whatever the timing.
+Shaped like vLLM's scheduler, which owns its requests: the waiting queue, the reservation
+tickets, the slot table and every state transition of a session (`add`, `abort`, and the
+finishes it decides itself: input used up, call too long, idle) live here, configured by one
+frozen `SchedulerConfig`. The session layer (`personaplex_voice.sessions`) keeps each session's
+audio buffers and its asyncio waiters and only *reads* the `SessionRecord` this module writes.
 
-Each *tick* steps every running slot in one batched `engine.step` with an active mask. Between
-ticks the thread applies the queued slot operations (releases; joins: a restore from the persona
-cache, or the start of a system prompt prefill), runs prefill chunks while the next tick is not
-due (chunked prefill: a long prompt is spread over as many gaps between ticks as it needs, so
-joining callers never hold up running ones) and ends sessions past their limits.
+One inference thread (`run`) steps every running slot of an `Engine` per tick. Only it calls the
+engine's `begin_start`, `snapshot`, `restore`, `step` and `release`. A slot taken from one
+session and given to the next becomes two entries in one FIFO of slot operations that the thread
+carries out in order, so the slot is always released in the engine before it is started again.
+
+Between ticks the thread carries out those operations (releases; joins: a restore from the
+persona cache, or the start of a system prompt prefill), runs prefill chunks while the next tick
+is not due (chunked prefill: a long prompt spreads over as many gaps as it needs, so joining
+callers never hold up running ones), ends sessions past their limits and expires tickets.
 
 Two clocks:
-- realtime: a tick every frame period on a monotonic deadline clock. A session takes part from
-  its first full input frame on (the published server answers each input frame; before it the
-  session is ready but not stepped, so a client that starts listening late loses nothing). A
-  streaming slot whose next input frame is missing at the tick (after a short bounded wait) gets
-  a frame of silence, counted as late; whole frames queued beyond what the ticks need are trimmed
-  (`SpareTrimmer`), so lateness never adds lasting latency.
+- realtime: a tick every frame period on a deadline clock. A session takes part from its first
+  full input frame on (the published server answers each input frame). A streaming slot whose
+  next frame is missing at the tick (after a short bounded wait) gets a frame of silence,
+  counted as late; spare whole frames are trimmed by the session's jitter buffer, so lateness
+  never adds lasting latency.
 - non-realtime: a tick runs as soon as every running slot has a full frame buffered (or has
   ended its input) and, lossless, room for its output.
+
+Time comes from a `Clock` (`MonotonicClock` in production), so tests can drive the whole loop on
+a fake clock with a fake engine whose steps cost what the test says (tests/support_scheduler.py).
 
 A step that fails ends only the sessions it fails for: an engine that can tell which slots are
 at fault raises `SlotError` before touching any state and the others are stepped again at once;
 any other error is isolated by stepping halves of the batch until each failing slot is alone.
 
-The scheduler knows nothing of asyncio or sockets. What sits in a slot is a `SlotClient` (the
-session layer's `Session`); admission, queueing and handing frames to event loops are the
-session layer's (`personaplex_voice.sessions`), which shares this scheduler's lock (`cond`) for
-the slot table. See docs/sessions.md for the policies.
+No asyncio and no sockets here: the thread reaches a session's audio only through its
+`SlotStream`. See docs/sessions.md for the policies.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
     SAMPLE_RATE,
+    CapacityError,
     Engine,
     EngineError,
+    Persona,
     PersonaError,
     PreparedPersona,
     SlotError,
@@ -65,248 +72,700 @@ FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
 # A prefill that got no chunk for this many ticks in a row (the engine's steps leave no room in
 # the frame period) gets one anyway: joining callers are slowed down, never starved.
 PREFILL_STARVE_TICKS = 4
+# The idle thread wakes at least this often (tickets expire within it of their TTL).
+HOUSEKEEPING_S = 0.5
 
 
-class SlotState(enum.Enum):
-    """A session's life as both sides see it."""
+class SessionState(enum.Enum):
+    """A session's life. Embedded sessions go QUEUED -> JOINING -> RUNNING -> CLOSED (any step may
+    jump to CLOSED); a cluster front-end's sessions pass through PLACING while a worker answers."""
 
-    QUEUED = "queued"  # waiting for a free slot (the session layer's)
+    QUEUED = "queued"  # waiting for a free slot
+    PLACING = "placing"  # (cluster front-end) asked an engine worker for a slot, no answer yet
     JOINING = "joining"  # holds a slot; its prefill or restore is pending or running
     RUNNING = "running"  # prompt in: stepped every tick (realtime: from its first input frame)
     CLOSED = "closed"
 
 
-class SlotClient(Protocol):
-    """What the scheduler needs from the session in a slot.
+class TicketError(CapacityError):
+    """A reservation ticket that is unknown, expired or already used: the caller gets no slot."""
 
-    The members are underscored because they are no transport's business: the session layer
-    implements them for this thread. `slot`, `_state` and `_prepared` change only under the
-    scheduler's `cond`; the rest the session guards with its own lock.
+
+@dataclass(frozen=True)
+class Ticket:
+    """A slot set aside by `reserve` for one later open that presents `id`.
+
+    `id` is unguessable (it is the only thing a redeemer presents) and works once; `expires_at`
+    is on the scheduler's clock; `persona` is the one the open uses when given none (so whoever
+    reserved can decide who the agent is, e.g. a phone call's answer webhook).
     """
 
-    slot: int | None
-    _state: SlotState
-    _prepared: PreparedPersona | None  # None once closed
-    _input_ended: bool  # no more input will come
-    _last_input: float  # time.monotonic() of the last push
+    id: str
+    expires_at: float
+    persona: Persona | None = None
+
+
+def new_ticket_id() -> str:
+    return secrets.token_urlsafe(18)
+
+
+# -- configuration ----------------------------------------------------------------------------------
+
+
+def default_max_input_s(realtime: bool) -> float:
+    """The input backlog bound per session when none is given: a second in realtime (older input
+    is latency nobody wants), ten minutes otherwise (offline runs push whole files)."""
+    return 1.0 if realtime else 600.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Every policy knob of the scheduler, in the units it uses (frames, ticks, seconds).
+
+    Build it from seconds with `SchedulerConfig.create(...)`; docs/sessions.md explains each.
+    """
+
+    realtime: bool = True
+    max_queue: int = 0  # sessions that may wait for a slot (0: refuse when full)
+    lossless: bool = False  # wait for consumers instead of dropping their oldest frames
+    frame_period_s: float = FRAME_SECONDS
+    max_catchup_ticks: int = 3  # realtime: beyond this many ticks behind, the clock skips ahead
+    late_wait_s: float = 0.020  # realtime: the most a tick waits for late input
+    input_slack_frames: int = 2  # realtime jitter buffer: spare frames kept at most
+    input_settle_ticks: int | None = 12  # realtime jitter buffer: unused spare goes after this
+    max_input_samples: int = SAMPLE_RATE  # input backlog bound per session, at push time
+    output_frames: int = 64  # output queue bound per session
+    max_call_frames: int | None = 45_000  # a call ends after this many frames (None: never)
+    idle_timeout_s: float | None = 60.0  # a call that pushes nothing this long ends
+    retry_after_s: float = 5.0  # the hint in CapacityError
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.output_frames < 1:
+            raise ValueError(f"output_frames must be >= 1, got {self.output_frames}")
+        if not self.frame_period_s > 0:
+            raise ValueError(f"frame_period_s must be > 0, got {self.frame_period_s}")
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        realtime: bool = True,
+        max_queue: int = 0,
+        max_call_s: float | None = 3600.0,
+        idle_timeout_s: float | None = 60.0,
+        late_wait_s: float = 0.020,
+        input_slack_s: float = 0.16,
+        input_settle_s: float | None = 1.0,
+        max_input_s: float | None = None,
+        output_frames: int = 64,
+        lossless: bool | None = None,
+        retry_after_s: float = 5.0,
+        frame_period_s: float = FRAME_SECONDS,
+        max_catchup_ticks: int = 3,
+    ) -> SchedulerConfig:
+        """The config from durations in seconds (None: the documented default or no limit)."""
+        if max_input_s is None:
+            max_input_s = default_max_input_s(realtime)
+        return cls(
+            realtime=realtime,
+            max_queue=max_queue,
+            lossless=(not realtime) if lossless is None else lossless,
+            frame_period_s=frame_period_s,
+            max_catchup_ticks=max_catchup_ticks,
+            late_wait_s=late_wait_s,
+            input_slack_frames=max(0, int(input_slack_s / FRAME_SECONDS + 1e-9)),
+            input_settle_ticks=None
+            if input_settle_s is None
+            else max(1, round(input_settle_s / FRAME_SECONDS)),
+            max_input_samples=max(FRAME_SIZE, round(max_input_s * SAMPLE_RATE)),
+            output_frames=output_frames,
+            max_call_frames=None if max_call_s is None else max(1, round(max_call_s / FRAME_SECONDS)),
+            idle_timeout_s=idle_timeout_s,
+            retry_after_s=retry_after_s,
+        )
+
+
+# -- time ---------------------------------------------------------------------------------------------
+
+
+class Clock(Protocol):
+    """Where the scheduler gets its time and how it waits."""
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock (deadlines, ticket expiry, idleness)."""
+
+    def elapsed(self) -> float:
+        """A high-resolution clock for durations (engine steps, prefill chunks)."""
+
+    def wait(self, cond: threading.Condition, timeout: float | None) -> None:
+        """Wait on `cond` (held by the caller) until notified or `timeout` seconds pass."""
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.perf_counter()
+
+    def wait(self, cond: threading.Condition, timeout: float | None) -> None:
+        cond.wait(timeout)
+
+
+# -- what a session offers the thread ----------------------------------------------------------------
+
+
+class SlotStream(Protocol):
+    """A session's audio buffers as the inference thread uses them (the session layer implements
+    it with its own lock; every method is quick and never blocks on the engine)."""
 
     @property
-    def _streaming(self) -> bool:
-        """A full input frame was taken at least once and the input has not ended."""
-
-    @property
-    def _had_input(self) -> bool:
+    def had_input(self) -> bool:
         """A full input frame was taken at least once."""
 
-    def _has_frame(self) -> bool:
+    @property
+    def input_ended(self) -> bool:
+        """No more input will come."""
+
+    @property
+    def last_input(self) -> float:
+        """When input last arrived, on the scheduler's clock (`Clock.now`)."""
+
+    def has_frame(self) -> bool:
         """A full input frame is buffered."""
 
-    def _take_frame(self) -> np.ndarray | None:
+    def take_frame(self) -> np.ndarray | None:
         """The next input frame (float32 [FRAME_SIZE]), or None when short of one."""
 
-    def _count_silence(self, late: bool) -> None:
+    def count_silence(self, late: bool) -> None:
         """A tick fed silence: a late frame, or lead-in before the first full frame."""
 
-    def _trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
-        """The realtime jitter buffer after a tick (see `SpareTrimmer`); frames dropped."""
+    def trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
+        """The realtime jitter buffer after a tick; returns the whole frames dropped."""
 
-    def _output_backlog(self) -> int:
+    def output_backlog(self) -> int:
         """Output frames not yet taken by the consumer."""
 
-    def _frames_out(self) -> int:
+    def frames_out(self) -> int:
         """Output frames made so far."""
 
-    def _deliver(self, pcm: np.ndarray, text: str | None, tokens: np.ndarray | None, max_frames: int) -> int:
+    def deliver(self, pcm: np.ndarray, text: str | None, tokens: np.ndarray | None, max_frames: int) -> int:
         """Hand one output frame to the consumer, dropping the oldest beyond `max_frames`;
         returns the frames dropped. Must not block."""
 
-    def _joined(self, seconds: float, cache_hit: bool) -> None:
-        """The prefill (or restore) took `seconds` of engine time."""
+    def state_changed(self) -> None:
+        """The record's state changed: wake whoever awaits the session."""
 
-    def _became_ready(self) -> None:
-        """The session is running: wake whoever awaits it."""
-
-
-CloseFn = Callable[[SlotClient, str, BaseException | None], None]
+    def ended(self) -> None:
+        """The session closed: drop buffered input, wake everybody."""
 
 
-class SpareTrimmer:
-    """The realtime jitter buffer's policy for one session's input.
+class SessionRecord:
+    """A session's state: written only by the transitions below, which its host calls from the
+    one place that owns its sessions (this module's `Scheduler` for an embedded session; a
+    cluster front-end for its own); everything else reads it. `opened_at` is on the host's
+    clock."""
 
-    After each tick took (or missed) the session's frame, the whole frames still queued are
-    *spare*: cushion against late input, but also latency. Spare beyond `slack_frames` goes at
-    once; spare that stayed queued through `settle_ticks` ticks in a row was never needed and
-    goes then. A tick that finds no spare (the cushion was used) starts the count over.
-    """
+    def __init__(self, session_id: str, opened_at: float):
+        self.id = session_id
+        self.opened_at = opened_at
+        self._state = SessionState.QUEUED
+        self._slot: int | None = None
+        self._queue_position: int | None = None
+        self._close_reason: str | None = None
+        self._error: BaseException | None = None
+        self._was_ready = False
+        self._queue_wait_s: float | None = None
+        self._prefill_s: float | None = None
+        self._cache_hit: bool | None = None
+        self._running_since: float | None = None
 
-    def __init__(self) -> None:
-        self._streak = 0  # ticks in a row that left at least one whole spare frame queued
-        self._floor = 0  # the fewest spare frames seen over those ticks
+    @property
+    def state(self) -> SessionState:
+        return self._state
 
-    def frames_to_drop(self, spare: int, slack_frames: int, settle_ticks: int | None) -> int:
-        drop = max(0, spare - slack_frames)
-        kept = spare - drop
-        if kept == 0:  # the cushion was used (or there was none): start over
-            self._streak = 0
-        else:
-            self._floor = kept if self._streak == 0 else min(self._floor, kept)
-            self._streak += 1
-            if settle_ticks is not None and self._streak >= settle_ticks:
-                drop += self._floor
-                self._streak = 0
-        return drop
+    @property
+    def slot(self) -> int | None:
+        return self._slot
+
+    @property
+    def queue_position(self) -> int | None:
+        """1 for the first waiting session; None when not waiting."""
+        return self._queue_position
+
+    @property
+    def close_reason(self) -> str | None:
+        return self._close_reason
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the session, for `ready()` to raise (None: a plain close)."""
+        return self._error
+
+    @property
+    def was_ready(self) -> bool:
+        """It ran (RUNNING at some point); stays True after it closed."""
+        return self._was_ready
+
+    @property
+    def closed(self) -> bool:
+        return self._state is SessionState.CLOSED
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        return self._queue_wait_s
+
+    @property
+    def prefill_s(self) -> float | None:
+        return self._prefill_s
+
+    @property
+    def cache_hit(self) -> bool | None:
+        return self._cache_hit
+
+    @property
+    def running_since(self) -> float | None:
+        """When it became RUNNING, on the owner's clock."""
+        return self._running_since
+
+    # The transitions. Each host (this module's Scheduler; a cluster front-end for its own
+    # sessions) calls them from the one place that owns its sessions.
+
+    def mark_queued(self, position: int | None) -> None:
+        self._queue_position = position
+
+    def mark_placing(self) -> None:
+        """(cluster front-end) an engine worker was asked for a slot."""
+        self._state = SessionState.PLACING
+
+    def mark_unplaced(self) -> None:
+        """(cluster front-end) the worker refused or went away before answering: queued again."""
+        if self._state is SessionState.PLACING:
+            self._state = SessionState.QUEUED
+
+    def mark_joining(self, slot: int | None, waited_s: float | None) -> None:
+        self._state = SessionState.JOINING
+        self._slot = slot
+        self._queue_position = None
+        self._queue_wait_s = waited_s
+
+    def mark_running(self, now: float, prefill_s: float | None, cache_hit: bool | None) -> None:
+        self._state = SessionState.RUNNING
+        self._running_since = now
+        self._was_ready = True
+        self._prefill_s = prefill_s
+        self._cache_hit = cache_hit
+
+    def mark_closed(self, reason: str, error: BaseException | None) -> bool:
+        """False when it was closed already (the first reason sticks)."""
+        if self._state is SessionState.CLOSED:
+            return False
+        self._state = SessionState.CLOSED
+        self._close_reason = reason
+        self._error = error
+        self._queue_position = None
+        return True
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} {self._state.value} slot={self._slot}>"
+
+
+class ScheduledSession(SessionRecord):
+    """An embedded session as the scheduler holds it: its state, its prepared persona (dropped
+    once closed, so its tensors do not outlive the call) and its stream."""
+
+    def __init__(self, session_id: str, prepared: PreparedPersona, stream: SlotStream, opened_at: float):
+        super().__init__(session_id, opened_at)
+        self.stream = stream
+        self._prepared: PreparedPersona | None = prepared
+
+    @property
+    def prepared(self) -> PreparedPersona | None:
+        return self._prepared
+
+    def mark_closed(self, reason: str, error: BaseException | None) -> bool:
+        if not super().mark_closed(reason, error):
+            return False
+        self._prepared = None
+        return True
+
+
+# -- the waiting queue --------------------------------------------------------------------------------
+
+
+class QueueItem(Protocol):
+    @property
+    def record(self) -> SessionRecord: ...
+
+
+Item = TypeVar("Item", bound=QueueItem)
+
+
+class WaitingQueue(Generic[Item]):
+    """Sessions waiting for a slot, in arrival order, each record's `queue_position` kept in step.
+    The embedded scheduler and a cluster front-end both queue with it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._items: list[Item] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Item]:
+        return iter(list(self._items))
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self.limit
+
+    def refusal(self, capacity: int, retry_after_s: float, where: str = "") -> tuple[str, CapacityError]:
+        """(the rejection reason label, the error) for an open that neither fits nor may wait."""
+        reason = "full" if self.limit == 0 else "queue_full"
+        queue = f" and the queue of {self.limit} is full" if self.limit else ""
+        message = f"all {capacity} sessions{where} are busy{queue}; retry in {retry_after_s:g} s"
+        return reason, CapacityError(message, retry_after_s=retry_after_s)
+
+    def append(self, item: Item) -> None:
+        self._items.append(item)
+        item.record.mark_queued(len(self._items))
+
+    def first(self) -> Item | None:
+        return self._items[0] if self._items else None
+
+    def pop_first(self) -> Item:
+        item = self._items.pop(0)
+        item.record.mark_queued(None)
+        self._renumber()
+        return item
+
+    def push_front(self, item: Item) -> None:
+        """Back to the head of the line (its placement failed for want of room)."""
+        self._items.insert(0, item)
+        self._renumber()
+
+    def remove(self, item: Item) -> bool:
+        try:
+            self._items.remove(item)
+        except ValueError:
+            return False
+        item.record.mark_queued(None)
+        self._renumber()
+        return True
+
+    def clear(self) -> list[Item]:
+        items, self._items = self._items, []
+        for item in items:
+            item.record.mark_queued(None)
+        return items
+
+    def _renumber(self) -> None:
+        for i, item in enumerate(self._items):
+            item.record.mark_queued(i + 1)
+
+
+# -- the scheduler -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _SlotOp:
-    """One request of the session layer, carried out by the thread in FIFO order."""
+    """One slot table change, carried out by the thread in FIFO order."""
 
-    kind: str  # "join" (start or restore `client` in `slot`) or "release"
+    kind: str  # "join" (start or restore `record` in `slot`) or "release"
     slot: int
-    client: SlotClient
+    record: ScheduledSession
 
 
 @dataclass
 class _Prefill:
-    """A joining client's system prompt, run a chunk at a time between ticks."""
+    """A joining session's system prompt, run a chunk at a time between ticks."""
 
-    client: SlotClient
+    record: ScheduledSession
     job: SlotPrefill
     seconds: float = 0.0  # engine time spent on it so far
     waited_ticks: int = 0  # ticks since it last got a chunk
 
 
-class Scheduler:
-    """The inference thread and the slot table around one engine.
+@dataclass
+class _Tickets:
+    """Reserved slots not yet redeemed (and opens redeeming one, still preparing)."""
 
-    `close(client, reason, error)` and `close_all(reason, error)` are the session layer's
-    callbacks: the thread calls them (without holding `cond`) to end sessions past their limits
-    or failed by the engine; `close` must take the client out of its slot with `vacate`.
-    `housekeeping()` is called between ticks and at least every half second (the session layer
-    expires its reservations there). The session layer calls `free_slot` / `assign` / `vacate`
-    with `cond` held (it is re-entrant).
+    outstanding: dict[str, Ticket] = field(default_factory=dict)
+    redeeming: int = 0
+
+    @property
+    def held(self) -> int:
+        return len(self.outstanding) + self.redeeming
+
+
+class Scheduler:
+    """The state of every session of one engine, and the inference thread that steps them.
+
+    Transports never call this directly: the session layer does, from any thread. Every public
+    method takes the one lock (`cond`, re-entrant) that guards the records, the queue, the
+    tickets and the slot table.
     """
 
     def __init__(
         self,
         engine: Engine,
+        config: SchedulerConfig,
         *,
-        metrics: SessionMetrics,
-        cache: PersonaCache,
-        close: CloseFn,
-        close_all: Callable[[str, BaseException], None],
-        realtime: bool,
-        lossless: bool,
-        frame_period_s: float,
-        max_catchup_ticks: int,
-        late_wait_s: float,
-        input_slack_frames: int,
-        input_settle_ticks: int | None,
-        output_frames: int,
-        max_call_frames: int | None,
-        idle_timeout_s: float | None,
-        housekeeping: Callable[[], None] | None = None,
+        metrics: SessionMetrics | None = None,
+        cache: PersonaCache | None = None,
+        clock: Clock | None = None,
     ):
         self.engine = engine
-        self.metrics = metrics
-        self.cache = cache
-        self._close = close
-        self._close_all = close_all
-        self._housekeeping = housekeeping
-        self.realtime = realtime
-        self.lossless = lossless
-        self.frame_period_s = frame_period_s
-        self.max_catchup_ticks = max_catchup_ticks
-        self.late_wait_s = late_wait_s
-        self.input_slack_frames = input_slack_frames
-        self.input_settle_ticks = input_settle_ticks
-        self.output_frames = output_frames
-        self.max_call_frames = max_call_frames
-        self.idle_timeout_s = idle_timeout_s
+        self.config = config
+        self.metrics = metrics if metrics is not None else SessionMetrics.create()
+        self.cache = cache if cache is not None else PersonaCache(0)
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
 
         n = engine.num_slots
-        self.cond = threading.Condition()  # re-entrant; guards the slot table and the op FIFO
-        self.slots: list[SlotClient | None] = [None] * n
+        self.cond = threading.Condition(threading.RLock())
+        self._slots: list[ScheduledSession | None] = [None] * n
+        self._records: dict[str, ScheduledSession] = {}
+        self._queue: WaitingQueue[_Queued] = WaitingQueue(config.max_queue)
+        self._tickets = _Tickets()
         self._ops: deque[_SlotOp] = deque()
-        self.stopping = False
+        self._accepting = True  # False once shut down: opens and reservations are refused
+        self._stopping = False
+        self._thread: threading.Thread | None = None
         # Thread-only state below.
         self._prefills: dict[int, _Prefill] = {}  # slot -> prefill in progress, oldest first
         self._chunk_seconds: deque[float] = deque(maxlen=8)  # recent prefill chunk durations
         self._want_input = False  # the thread waits for pushes
         self._want_room = False  # the thread waits for consumers (lossless mode)
-        self._thread: threading.Thread | None = None
         self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
         self.recent_steps: deque[float] = deque(maxlen=25)  # engine.step seconds, last 2 s
         self._next_tick: float | None = None  # the realtime clock's next due time, when running
 
-    # ---- the session layer's side (slot table calls with `cond` held) ------------------------
+    # ---- occupancy (any thread) ----------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.num_slots
+
+    @property
+    def held_count(self) -> int:
+        """Slots held (joining or running)."""
+        with self.cond:
+            return sum(s is not None for s in self._slots)
+
+    @property
+    def queued_count(self) -> int:
+        with self.cond:
+            return len(self._queue)
+
+    @property
+    def reserved_count(self) -> int:
+        """Slots set aside by tickets (outstanding, or being redeemed by an open)."""
+        with self.cond:
+            self._expire_tickets()
+            return self._tickets.held
+
+    @property
+    def available(self) -> int:
+        """Slots an open without a ticket could take now (0: it would queue or be refused)."""
+        with self.cond:
+            self._expire_tickets()
+            return 0 if self._queue or not self._accepting else max(0, self._unreserved_free())
+
+    @property
+    def records(self) -> list[ScheduledSession]:
+        """Every session not yet closed (queued, joining or running)."""
+        with self.cond:
+            return list(self._records.values())
+
+    @property
+    def settled(self) -> bool:
+        """No slot operation waits for the thread and no prefill is in progress."""
+        with self.cond:
+            return not self._ops and not self._prefills
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and not self._stopping
+
+    # ---- admission (any thread) ----------------------------------------------------------------
+
+    def check_open(self) -> None:
+        """Raise as `add` would for an open without a ticket, before its persona is prepared
+        (so a full server refuses without doing any work)."""
+        with self.cond:
+            self._expire_tickets()
+            self._check_room()
+
+    def add(self, record: ScheduledSession, *, redeemed: bool = False) -> None:
+        """Admit a new session: a slot when one is free (for a `redeemed` ticket: the slot it
+        set aside), else a place in the queue; raises CapacityError when neither."""
+        with self.cond:
+            if redeemed:
+                self._tickets.redeeming -= 1
+                if not self.accepting:
+                    raise EngineError("the session manager is shutting down")
+                slot = self._free_slot()  # held + reserved <= capacity: one is free
+                if slot is None:
+                    raise EngineError("internal: a redeemed ticket found no free slot")
+                self._records[record.id] = record
+                self._assign(record, slot)
+            else:
+                self._expire_tickets()
+                self._check_room()
+                self._records[record.id] = record
+                if self._unreserved_free() > 0 and not self._queue:
+                    self._assign(record, self._free_slot())  # type: ignore[arg-type]
+                else:
+                    self._queue.append(_Queued(record))
+            self.metrics.sessions_opened.inc()
+            self._update_gauges()
+            self.cond.notify_all()
+        record.stream.state_changed()
+
+    def abort(self, record: ScheduledSession, reason: str, error: BaseException | None = None) -> None:
+        """End a session (idempotent; the first reason sticks). Its slot is free for admission at
+        once; the thread releases it in the engine before anything later runs there."""
+        with self.cond:
+            previous = record.state
+            if not record.mark_closed(reason, error):
+                return
+            if previous is SessionState.QUEUED:
+                self._queue.remove(_Queued(record))
+            elif self._vacate(record):
+                self._admit_from_queue()
+            self._records.pop(record.id, None)
+            self.metrics.sessions_closed.inc(label=reason)
+            self._update_gauges()
+            self.cond.notify_all()
+        record.stream.ended()
+
+    def abort_all(self, reason: str, error: BaseException | None = None) -> None:
+        for record in self.records:
+            self.abort(record, reason, error)
+
+    # ---- reservations (any thread) ---------------------------------------------------------------
+
+    def reserve(self, ttl_s: float, persona: Persona | None = None, ticket_id: str | None = None) -> Ticket:
+        """Set a slot aside for one later open presenting the ticket (`ticket_id`, or a new one).
+        Raises CapacityError when no unreserved slot is free (reservations never jump the
+        queue); an id already outstanding is refused too (a ticket is one slot)."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        with self.cond:
+            self._expire_tickets()
+            if not self.accepting:
+                raise EngineError("the session manager is shutting down")
+            if ticket_id is not None and ticket_id in self._tickets.outstanding:
+                self.metrics.tickets.inc(label="refused")
+                raise TicketError("this reservation ticket is already outstanding")
+            if self._queue or self._unreserved_free() <= 0:
+                self.metrics.tickets.inc(label="refused")
+                self.metrics.sessions_rejected.inc(label="reserve_full")
+                raise CapacityError(
+                    f"all {self.capacity} sessions are busy or reserved; retry in "
+                    f"{self.config.retry_after_s:g} s",
+                    retry_after_s=self.config.retry_after_s,
+                )
+            ticket = Ticket(ticket_id or new_ticket_id(), self.clock.now() + ttl_s, persona)
+            self._tickets.outstanding[ticket.id] = ticket
+            self.metrics.tickets.inc(label="issued")
+            self._update_gauges()
+            return ticket
+
+    def redeem(self, ticket_id: str) -> Ticket:
+        """Take a ticket for an open (its slot stays set aside while the persona is prepared):
+        `add(..., redeemed=True)` or `unredeem()` must follow. Raises TicketError."""
+        with self.cond:
+            self._expire_tickets()
+            if not self.accepting:
+                raise EngineError("the session manager is shutting down")
+            ticket = self._tickets.outstanding.pop(ticket_id, None)
+            if ticket is None:
+                self.metrics.tickets.inc(label="refused")
+                self.metrics.sessions_rejected.inc(label="bad_ticket")
+                raise TicketError("unknown, expired or already used reservation ticket")
+            self._tickets.redeeming += 1
+            self.metrics.tickets.inc(label="redeemed")
+            return ticket
+
+    def unredeem(self) -> None:
+        """A redeeming open failed before `add`: its slot goes back to the queue."""
+        with self.cond:
+            self._tickets.redeeming -= 1
+            self._admit_from_queue()
+            self._update_gauges()
+            self.cond.notify_all()
+
+    def cancel(self, ticket_id: str) -> bool:
+        """Give a reserved slot back; True when the ticket was still outstanding."""
+        with self.cond:
+            if self._tickets.outstanding.pop(ticket_id, None) is None:
+                return False
+            self.metrics.tickets.inc(label="cancelled")
+            self._admit_from_queue()
+            self._update_gauges()
+            self.cond.notify_all()
+            return True
+
+    # ---- the thread's life -------------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    @property
-    def held_count(self) -> int:
-        """Slots held (joining or running)."""
-        return sum(s is not None for s in self.slots)
-
-    @property
-    def settled(self) -> bool:
-        """No slot request is waiting for the thread and no prefill is in progress (tests)."""
-        with self.cond:
-            return not self._ops and not self._prefills
-
     def start(self) -> None:
-        """Start the inference thread unless it runs."""
+        """Start the inference thread unless it runs (also after `stop`: it accepts again)."""
         with self.cond:
             if self.alive:
                 return
-            self.stopping = False
-            self._thread = threading.Thread(target=self._run, name="personaplex-inference", daemon=True)
+            self._stopping = False
+            self._accepting = True
+            self._thread = threading.Thread(target=self.run, name="personaplex-inference", daemon=True)
             self._thread.start()
 
-    def request_stop(self) -> threading.Thread | None:
-        """Ask the thread to end after its current tick; returns it, for joining."""
+    def shut_down(self, reason: str = "shutdown") -> threading.Thread | None:
+        """Refuse new opens and reservations, end every session, ask the thread to end after its
+        current tick (it releases every slot in the engine first); returns it, for joining."""
         with self.cond:
-            self.stopping = True
+            self._accepting = False
+            self._tickets.outstanding.clear()
+        self.abort_all(reason)
+        with self.cond:
+            self._stopping = True
             self.cond.notify_all()
+            self._update_gauges()
             return self._thread
 
-    def free_slot(self) -> int | None:
-        for i, holder in enumerate(self.slots):
-            if holder is None:
-                return i
-        return None
+    def run(self) -> None:
+        """The inference loop, on the calling thread, until `shut_down`."""
+        try:
+            self._loop()
+        except BaseException:  # keep no session waiting on a dead thread
+            log.exception("inference thread crashed")
+            self.abort_all("engine_error", EngineError("the inference thread crashed"))
+        finally:
+            self._next_tick = None
+            self._apply_ops(releases_only=True)
+            self._prefills.clear()
+            for slot, holder in enumerate(self._slots):
+                if holder is not None:
+                    self._safe_release(slot)
 
-    def assign(self, client: SlotClient, slot: int) -> None:
-        """Give `client` the free `slot`; the thread joins it after every earlier request."""
-        if self.slots[slot] is not None:
-            raise RuntimeError(f"slot {slot} is taken")
-        client.slot = slot
-        client._state = SlotState.JOINING
-        self.slots[slot] = client
-        self._ops.append(_SlotOp("join", slot, client))
-        self.cond.notify_all()
-
-    def vacate(self, client: SlotClient) -> bool:
-        """Take a closing client out of its slot; True when it held one. The slot is free for
-        assignment at once; the thread releases it in the engine before anything later runs there."""
-        slot = client.slot
-        if slot is None or self.slots[slot] is not client:
-            return False
-        self.slots[slot] = None
-        self._ops.append(_SlotOp("release", slot, client))
-        self.cond.notify_all()
-        return True
+    # ---- what the session layer tells the thread (any thread) --------------------------------------
 
     def input_arrived(self) -> None:
-        """A push or end of input (any thread)."""
+        """A push or end of input."""
         if self._want_input:
             with self.cond:
                 self.cond.notify_all()
 
     def output_taken(self) -> None:
-        """A consumer took a frame (any thread)."""
+        """A consumer took a frame."""
         if self._want_room:
             with self.cond:
                 self.cond.notify_all()
@@ -315,11 +774,11 @@ class Scheduler:
         """When the realtime clock's next tick is due, from now (None while the clock is idle:
         then the next tick comes as soon as a ready session has a full input frame)."""
         due = self._next_tick
-        if due is None or not self.realtime:
+        if due is None or not self.config.realtime:
             return None
-        now = time.monotonic()
+        now = self.clock.now()
         while due < now:  # the thread is stepping or about to: the following tick
-            due += self.frame_period_s
+            due += self.config.frame_period_s
         return due - now
 
     def late_wait(self) -> float:
@@ -327,33 +786,94 @@ class Scheduler:
         recent step leaves of the frame period (minus a tenth of it as margin), so waiting for
         one late caller never makes the clock fall behind for everybody."""
         slowest = max(self.recent_steps, default=0.0)
-        room = self.frame_period_s * 0.9 - slowest
-        return max(0.0, min(self.late_wait_s, room))
+        room = self.config.frame_period_s * 0.9 - slowest
+        return max(0.0, min(self.config.late_wait_s, room))
 
-    # ---- the inference thread ---------------------------------------------------------------
+    # ---- admission internals (callers hold `cond`) -----------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException:  # keep no session waiting on a dead thread
-            log.exception("inference thread crashed")
-            self._close_all("engine_error", EngineError("the inference thread crashed"))
-        finally:
-            self._next_tick = None
-            self._apply_ops(releases_only=True)
-            self._prefills.clear()
-            for slot, holder in enumerate(self.slots):
-                if holder is not None:
-                    self._safe_release(slot)
+    def _unreserved_free(self) -> int:
+        """Free slots not set aside by tickets (may be negative while a redeemed ticket's session
+        is being prepared and slots are being handed back)."""
+        free = sum(s is None for s in self._slots)
+        return free - self._tickets.held
+
+    def _check_room(self) -> None:
+        if not self.accepting:
+            raise EngineError("the session manager is shutting down")
+        if self._unreserved_free() > 0 and not self._queue:
+            return
+        if not self._queue.full:
+            return
+        reason, error = self._queue.refusal(self.capacity, self.config.retry_after_s)
+        self.metrics.sessions_rejected.inc(label=reason)
+        raise error
+
+    def _free_slot(self) -> int | None:
+        for i, holder in enumerate(self._slots):
+            if holder is None:
+                return i
+        return None
+
+    def _assign(self, record: ScheduledSession, slot: int) -> None:
+        """Give `record` the free `slot`; the thread joins it after every earlier operation."""
+        if self._slots[slot] is not None:
+            raise RuntimeError(f"slot {slot} is taken")
+        record.mark_joining(slot, self.clock.now() - record.opened_at)
+        self._slots[slot] = record
+        self._ops.append(_SlotOp("join", slot, record))
+        self.cond.notify_all()
+
+    def _vacate(self, record: ScheduledSession) -> bool:
+        slot = record.slot
+        if slot is None or self._slots[slot] is not record:
+            return False
+        self._slots[slot] = None
+        self._ops.append(_SlotOp("release", slot, record))
+        return True
+
+    def _admit_from_queue(self) -> None:
+        admitted: list[ScheduledSession] = []
+        while self._queue:
+            slot = self._free_slot()
+            if slot is None or self._unreserved_free() <= 0:
+                break
+            record = self._queue.pop_first().record
+            self._assign(record, slot)
+            admitted.append(record)
+        for record in admitted:
+            record.stream.state_changed()
+
+    def _expire_tickets(self) -> None:
+        outstanding = self._tickets.outstanding
+        if not outstanding:
+            return
+        now = self.clock.now()
+        expired = [t.id for t in outstanding.values() if t.expires_at <= now]
+        if not expired:
+            return
+        for ticket_id in expired:
+            del outstanding[ticket_id]
+        self.metrics.tickets.inc(len(expired), label="expired")
+        self._admit_from_queue()
+        self._update_gauges()
+        self.cond.notify_all()
+
+    def _update_gauges(self) -> None:
+        self.metrics.active_slots.set(sum(s is not None for s in self._slots))
+        self.metrics.queued_sessions.set(len(self._queue))
+        self.metrics.reserved_slots.set(self._tickets.held)
+
+    # ---- the inference thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        clock, config = self.clock, self.config
         next_tick: float | None = None
         while True:
-            self._next_tick = next_tick if self.realtime else None
-            deadline = next_tick if (self.realtime and next_tick is not None) else None
+            self._next_tick = next_tick if config.realtime else None
+            deadline = next_tick if (config.realtime and next_tick is not None) else None
             self._control(deadline)
             with self.cond:
-                if self.stopping:
+                if self._stopping:
                     return
                 running = self._tickable()
                 if not running:
@@ -363,54 +883,55 @@ class Scheduler:
                         # Ready sessions may start streaming: a push must wake this wait.
                         self._want_input = True
                         try:
-                            self.cond.wait(timeout=0.5)
+                            clock.wait(self.cond, HOUSEKEEPING_S)
                         finally:
                             self._want_input = False
                     continue
-            if self.realtime:
-                now = time.monotonic()
+            if config.realtime:
+                now = clock.now()
                 if next_tick is None:
                     next_tick = now
                     self._next_tick = next_tick
                 if now < next_tick:
                     with self.cond:
-                        if not self._ops and not self.stopping and not self._prefill_fits(next_tick):
-                            self.cond.wait(timeout=next_tick - now)
-                    if time.monotonic() < next_tick:
+                        if not self._ops and not self._stopping and not self._prefill_fits(next_tick):
+                            clock.wait(self.cond, next_tick - now)
+                    if clock.now() < next_tick:
                         continue  # woke early for a join/close or prefill work: do it, then wait again
                 self._wait_for_late(running, next_tick + self.late_wait())
             elif not self._wait_for_inputs(running):
                 continue
             self._tick()
-            if self.realtime:
-                next_tick += self.frame_period_s
-                behind = time.monotonic() - next_tick
-                if behind > self.max_catchup_ticks * self.frame_period_s:
+            if config.realtime:
+                assert next_tick is not None
+                next_tick += config.frame_period_s
+                behind = clock.now() - next_tick
+                if behind > config.max_catchup_ticks * config.frame_period_s:
                     self.metrics.tick_overruns.inc()
-                    next_tick = time.monotonic()
+                    next_tick = clock.now()
                 for prefill in self._prefills.values():
                     prefill.waited_ticks += 1
 
-    def _running(self) -> list[SlotClient]:
-        return [s for s in self.slots if s is not None and s._state is SlotState.RUNNING]
+    def _running(self) -> list[ScheduledSession]:
+        return [s for s in self._slots if s is not None and s.state is SessionState.RUNNING]
 
-    def _tickable(self) -> list[SlotClient]:
-        """The running clients a tick steps: realtime, those that have started streaming."""
+    def _tickable(self) -> list[ScheduledSession]:
+        """The running sessions a tick steps: realtime, those that have started streaming."""
         running = self._running()
-        if not self.realtime:
+        if not self.config.realtime:
             return running
-        return [c for c in running if c._had_input or c._has_frame()]
+        return [r for r in running if r.stream.had_input or r.stream.has_frame()]
 
     def _control(self, deadline: float | None) -> None:
-        """Between ticks: carry out the slot requests in order, run prefill chunks while they fit
-        before `deadline`, end sessions past their limits."""
+        """Between ticks: carry out the slot operations in order, run prefill chunks while they
+        fit before `deadline`, end sessions past their limits, expire tickets."""
         self._apply_ops()
         self._run_prefills(deadline)
         self._enforce_limits()
-        if self._housekeeping is not None:
-            self._housekeeping()
+        with self.cond:
+            self._expire_tickets()
 
-    # ---- slot operations and joins ------------------------------------------------------------
+    # ---- slot operations and joins ---------------------------------------------------------------------
 
     def _apply_ops(self, releases_only: bool = False) -> None:
         while True:
@@ -420,11 +941,11 @@ class Scheduler:
                 op = self._ops.popleft()
             if op.kind == "release":
                 prefill = self._prefills.get(op.slot)
-                if prefill is not None and prefill.client is op.client:
+                if prefill is not None and prefill.record is op.record:
                     del self._prefills[op.slot]  # closed while joining: abandon its prefill
                 self._safe_release(op.slot)
             elif not releases_only:
-                self._join(op.client, op.slot)
+                self._join(op.record, op.slot)
 
     def _safe_release(self, slot: int) -> None:
         try:
@@ -433,26 +954,29 @@ class Scheduler:
             log.exception("engine.release(%d) failed", slot)
             self.metrics.engine_errors.inc(label="release")
 
-    def _join(self, client: SlotClient, slot: int) -> None:
-        """Restore a joining client's slot from the persona cache, or begin its prefill."""
-        prepared = client._prepared
-        if prepared is None or client._state is not SlotState.JOINING or client.slot != slot:
+    def _joining(self, record: ScheduledSession, slot: int) -> bool:
+        return record.state is SessionState.JOINING and self._slots[slot] is record
+
+    def _join(self, record: ScheduledSession, slot: int) -> None:
+        """Restore a joining session's slot from the persona cache, or begin its prefill."""
+        prepared = record.prepared
+        if prepared is None or not self._joining(record, slot):
             return  # closed before its turn; its release follows in the FIFO
         snapshot = self.cache.get(prepared.cache_key) if self.cache.enabled else None
-        t0 = time.perf_counter()
+        t0 = self.clock.elapsed()
         try:
             if snapshot is not None:
                 self.engine.restore(slot, snapshot, prepared)
-                seconds = time.perf_counter() - t0
+                seconds = self.clock.elapsed() - t0
                 self.metrics.restore_seconds.observe(seconds)
                 self.metrics.cache_hits.inc()
-                self._ready(client, slot, seconds, cache_hit=True)
+                self._ready(record, slot, seconds, cache_hit=True)
                 return
             job = self.engine.begin_start(slot, prepared)
         except Exception as exc:
-            self._fail_join(client, slot, exc)
+            self._fail_join(record, slot, exc)
             return
-        self._prefills[slot] = _Prefill(client, job, seconds=time.perf_counter() - t0)
+        self._prefills[slot] = _Prefill(record, job, seconds=self.clock.elapsed() - t0)
 
     def _prefill_fits(self, deadline: float) -> bool:
         """A prefill chunk is waiting and fits before `deadline` (or has waited too long)."""
@@ -462,26 +986,26 @@ class Scheduler:
         if oldest.waited_ticks >= PREFILL_STARVE_TICKS:
             return True
         chunk_s = max(self._chunk_seconds, default=0.0)
-        return time.monotonic() + chunk_s < deadline
+        return self.clock.now() + chunk_s < deadline
 
     def _run_prefills(self, deadline: float | None) -> None:
         """Prefill chunks, oldest join first, while they fit before `deadline` (all when None)."""
         while self._prefills:
             slot, prefill = next(iter(self._prefills.items()))
-            client = prefill.client
-            if client._state is not SlotState.JOINING or self.slots[slot] is not client:
+            record = prefill.record
+            if not self._joining(record, slot):
                 del self._prefills[slot]  # closed: its release is queued
                 continue
             if deadline is not None and not self._prefill_fits(deadline):
                 return
-            t0 = time.perf_counter()
+            t0 = self.clock.elapsed()
             try:
                 done = prefill.job.run_chunk()
             except Exception as exc:
                 del self._prefills[slot]
-                self._fail_join(client, slot, exc)
+                self._fail_join(record, slot, exc)
                 continue
-            spent = time.perf_counter() - t0
+            spent = self.clock.elapsed() - t0
             self._chunk_seconds.append(spent)
             prefill.seconds += spent
             prefill.waited_ticks = 0
@@ -490,97 +1014,105 @@ class Scheduler:
             del self._prefills[slot]
             self.metrics.prefill_seconds.observe(prefill.seconds)
             self.metrics.cache_misses.inc()
-            prepared = client._prepared
+            prepared = record.prepared
             if self.cache.enabled and prepared is not None:
-                try:
-                    snapshot = self.engine.snapshot(slot)
-                except Exception:
-                    log.exception("engine.snapshot(%d) failed; the persona is not cached", slot)
-                    self.metrics.engine_errors.inc(label="snapshot")
-                else:
-                    self.metrics.cache_evictions.inc(self.cache.put(prepared.cache_key, snapshot))
-                    self.metrics.cache_bytes.set(self.cache.nbytes)
-                    self.metrics.cache_entries.set(len(self.cache))
-            self._ready(client, slot, prefill.seconds, cache_hit=False)
+                self._cache_snapshot(slot, prepared)
+            self._ready(record, slot, prefill.seconds, cache_hit=False)
 
-    def _ready(self, client: SlotClient, slot: int, seconds: float, cache_hit: bool) -> None:
-        client._joined(seconds, cache_hit)
+    def _cache_snapshot(self, slot: int, prepared: PreparedPersona) -> None:
+        try:
+            snapshot = self.engine.snapshot(slot)
+        except Exception:
+            log.exception("engine.snapshot(%d) failed; the persona is not cached", slot)
+            self.metrics.engine_errors.inc(label="snapshot")
+            return
+        self.metrics.cache_evictions.inc(self.cache.put(prepared.cache_key, snapshot))
+        self.metrics.cache_bytes.set(self.cache.nbytes)
+        self.metrics.cache_entries.set(len(self.cache))
+
+    def _ready(self, record: ScheduledSession, slot: int, seconds: float, cache_hit: bool) -> None:
         with self.cond:
-            if client._state is not SlotState.JOINING or self.slots[slot] is not client:
+            if not self._joining(record, slot):
                 return  # closed meanwhile; its release is queued
-            client._state = SlotState.RUNNING
-            client._last_input = time.monotonic()
-        client._became_ready()
+            record.mark_running(self.clock.now(), seconds, cache_hit)
+        record.stream.state_changed()
 
-    def _fail_join(self, client: SlotClient, slot: int, exc: BaseException) -> None:
+    def _fail_join(self, record: ScheduledSession, slot: int, exc: BaseException) -> None:
         if isinstance(exc, PersonaError):
-            self._close(client, "persona_error", exc)
+            self.abort(record, "persona_error", exc)
             return
         log.error("engine failed to start slot %d: %s", slot, exc, exc_info=exc)
         self.metrics.engine_errors.inc(label="start")
-        self._close(client, "engine_error", EngineError(f"the engine failed to start: {exc}"))
+        self.abort(record, "engine_error", EngineError(f"the engine failed to start: {exc}"))
 
-    # ---- limits and waits ---------------------------------------------------------------------
+    # ---- limits and waits ----------------------------------------------------------------------------
 
     def _enforce_limits(self) -> None:
-        now = time.monotonic()
-        for client in self._running():
-            if client._input_ended and not client._has_frame():
-                self._close(client, "input_ended", None)
-            elif self.max_call_frames is not None and client._frames_out() >= self.max_call_frames:
-                self._close(client, "max_duration", None)
+        config = self.config
+        now = self.clock.now()
+        with self.cond:
+            running = self._running()
+        for record in running:
+            stream = record.stream
+            if stream.input_ended and not stream.has_frame():
+                self.abort(record, "input_ended")
+            elif config.max_call_frames is not None and stream.frames_out() >= config.max_call_frames:
+                self.abort(record, "max_duration")
             elif (
-                self.idle_timeout_s is not None
-                and now - client._last_input > self.idle_timeout_s
-                and not client._has_frame()  # input waiting to be stepped is not idleness
+                config.idle_timeout_s is not None
+                and now - max(stream.last_input, record.running_since or now) > config.idle_timeout_s
+                and not stream.has_frame()  # input waiting to be stepped is not idleness
             ):
-                self._close(client, "idle", None)
+                self.abort(record, "idle")
 
-    def _wait_for_late(self, running: list[SlotClient], until: float) -> None:
-        """Realtime: give clients that are streaming but short of a frame until `until`."""
+    def _wait_for_late(self, running: list[ScheduledSession], until: float) -> None:
+        """Realtime: give sessions that are streaming but short of a frame until `until`."""
         with self.cond:
             self._want_input = True
             try:
-                while not self.stopping:
+                while not self._stopping:
                     late = [
-                        c
-                        for c in running
-                        if c._state is SlotState.RUNNING and c._streaming and not c._has_frame()
+                        r
+                        for r in running
+                        if r.state is SessionState.RUNNING
+                        and _streaming(r.stream)
+                        and not r.stream.has_frame()
                     ]
-                    remaining = until - time.monotonic()
+                    remaining = until - self.clock.now()
                     if not late or remaining <= 0:
                         return
-                    self.cond.wait(timeout=remaining)
+                    self.clock.wait(self.cond, remaining)
             finally:
                 self._want_input = False
 
-    def _wait_for_inputs(self, running: list[SlotClient]) -> bool:
-        """Non-realtime: True when every running client has a frame (and, lossless, room for
+    def _wait_for_inputs(self, running: list[ScheduledSession]) -> bool:
+        """Non-realtime: True when every running session has a frame (and, lossless, room for
         its output). Otherwise waits a little for pushes and returns False to recheck."""
         with self.cond:
             self._want_input = self._want_room = True
             try:
-                if self.stopping or self._ops or self._prefills:
+                if self._stopping or self._ops or self._prefills:
                     return False
-                for c in running:
-                    if c._state is not SlotState.RUNNING:
+                for r in running:
+                    if r.state is not SessionState.RUNNING:
                         return False
-                    if not c._has_frame():
-                        if c._input_ended:
+                    if not r.stream.has_frame():
+                        if r.stream.input_ended:
                             return False  # it ends in _control
-                        self.cond.wait(timeout=0.1)
+                        self.clock.wait(self.cond, 0.1)
                         return False
-                    if self.lossless and c._output_backlog() >= self.output_frames:
-                        self.cond.wait(timeout=0.1)
+                    if self.config.lossless and r.stream.output_backlog() >= self.config.output_frames:
+                        self.clock.wait(self.cond, 0.1)
                         return False
                 return True
             finally:
                 self._want_input = self._want_room = False
 
-    # ---- the tick -----------------------------------------------------------------------------
+    # ---- the tick --------------------------------------------------------------------------------------
 
     def _tick(self) -> None:
-        """One batched step of every running client."""
+        """One batched step of every running session."""
+        config = self.config
         with self.cond:
             running = self._tickable()
         if not running:
@@ -588,88 +1120,103 @@ class Scheduler:
         pcm = self._pcm_in
         pcm.fill(0.0)
         late = trimmed = 0
-        for client in running:
-            frame = client._take_frame()
+        for record in running:
+            stream = record.stream
+            frame = stream.take_frame()
             if frame is not None:
-                pcm[client.slot] = frame
-            else:  # silence: late for a client that was streaming, lead-in before its first frame
-                is_late = client._streaming
-                client._count_silence(is_late)
+                pcm[record.slot] = frame
+            else:  # silence: late for a session that was streaming, lead-in before its first frame
+                is_late = _streaming(stream)
+                stream.count_silence(is_late)
                 late += is_late
-            if self.realtime and client._streaming:
-                trimmed += client._trim_spare(self.input_slack_frames, self.input_settle_ticks)
+            if config.realtime and _streaming(stream):
+                trimmed += stream.trim_spare(config.input_slack_frames, config.input_settle_ticks)
         if late:
             self.metrics.late_frames.inc(late)
         if trimmed:
             self.metrics.jitter_dropped_frames.inc(trimmed)
             self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
-        t0 = time.perf_counter()
+        t0 = self.clock.elapsed()
         results = self._step_isolating(running, pcm, first=True)
-        step_s = time.perf_counter() - t0
+        step_s = self.clock.elapsed() - t0
         self.metrics.tick_seconds.observe(step_s)
         self.recent_steps.append(step_s)
         self.metrics.ticks.inc()
         dropped = 0
-        for client, out in results:
-            slot = client.slot
-            if slot is None or self.slots[slot] is not client or client._state is not SlotState.RUNNING:
+        for record, out in results:
+            slot = record.slot
+            if slot is None or self._slots[slot] is not record or record.state is not SessionState.RUNNING:
                 continue  # closed during the step
             pcm_out = np.array(out.pcm[slot], dtype=np.float32)
-            dropped += client._deliver(pcm_out, out.text[slot], _tokens_of(out, slot), self.output_frames)
+            dropped += record.stream.deliver(
+                pcm_out, out.text[slot], _tokens_of(out, slot), config.output_frames
+            )
         if dropped:
             self.metrics.dropped_output_frames.inc(dropped)
         self._enforce_limits()
 
     def _step_isolating(
-        self, clients: list[SlotClient], pcm: np.ndarray, first: bool = False
-    ) -> list[tuple[SlotClient, StepOutput]]:
-        """`engine.step` for `clients`; a failure ends only the clients it is pinned on.
+        self, records: list[ScheduledSession], pcm: np.ndarray, first: bool = False
+    ) -> list[tuple[ScheduledSession, StepOutput]]:
+        """`engine.step` for `records`; a failure ends only the sessions it is pinned on.
 
         `SlotError` names the guilty slots before any state changed: they end, the rest is
         stepped again. Any other error is bisected: each half is stepped on its own until a
-        failing client is alone (every healthy client is stepped exactly once)."""
+        failing session is alone (every healthy session is stepped exactly once)."""
         active = np.zeros(self.engine.num_slots, bool)
-        for client in clients:
-            active[client.slot] = True
+        for record in records:
+            active[record.slot] = True
         try:
             out = self.engine.step(pcm, active)
         except SlotError as exc:
-            guilty = [c for c in clients if c.slot in exc.slots]
+            guilty = [r for r in records if r.slot in exc.slots]
             if not guilty:  # it names no slot of this batch: treat it as unattributed
-                return self._bisect(clients, pcm, exc, first)
-            for client in guilty:
-                self._fail_step(client, exc, first)
+                return self._bisect(records, pcm, exc, first)
+            for record in guilty:
+                self._fail_step(record, exc, first)
                 first = False
-            rest = [c for c in clients if c not in guilty]
+            rest = [r for r in records if r not in guilty]
             return self._step_isolating(rest, pcm) if rest else []
         except Exception as exc:
-            return self._bisect(clients, pcm, exc, first)
-        return [(c, out) for c in clients]
+            return self._bisect(records, pcm, exc, first)
+        return [(r, out) for r in records]
 
     def _bisect(
-        self, clients: list[SlotClient], pcm: np.ndarray, exc: Exception, first: bool
-    ) -> list[tuple[SlotClient, StepOutput]]:
-        if len(clients) == 1:
-            self._fail_step(clients[0], exc, first)
+        self, records: list[ScheduledSession], pcm: np.ndarray, exc: Exception, first: bool
+    ) -> list[tuple[ScheduledSession, StepOutput]]:
+        if len(records) == 1:
+            self._fail_step(records[0], exc, first)
             return []
         if first:
             log.error(
                 "engine.step failed for a batch of %d: %s; isolating the failing slot(s)",
-                len(clients),
+                len(records),
                 exc,
                 exc_info=exc,
             )
-        half = len(clients) // 2
-        return self._step_isolating(clients[:half], pcm) + self._step_isolating(clients[half:], pcm)
+        half = len(records) // 2
+        return self._step_isolating(records[:half], pcm) + self._step_isolating(records[half:], pcm)
 
-    def _fail_step(self, client: SlotClient, exc: BaseException, first: bool) -> None:
+    def _fail_step(self, record: ScheduledSession, exc: BaseException, first: bool) -> None:
         if first:
-            log.error("engine.step failed for slot %s: %s", client.slot, exc, exc_info=exc)
+            log.error("engine.step failed for slot %s: %s", record.slot, exc, exc_info=exc)
         else:
-            log.error("engine.step failed for slot %s: %s", client.slot, exc)
+            log.error("engine.step failed for slot %s: %s", record.slot, exc)
         self.metrics.engine_errors.inc(label="step")
         self.metrics.slot_failures.inc()
-        self._close(client, "engine_error", EngineError(f"the engine failed: {exc}"))
+        self.abort(record, "engine_error", EngineError(f"the engine failed: {exc}"))
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """The embedded queue's entry: just the record (a cluster front-end queues its sessions)."""
+
+    record: ScheduledSession
+
+
+def _streaming(stream: SlotStream) -> bool:
+    """A full input frame was taken at least once and the input has not ended."""
+    return stream.had_input and not stream.input_ended
 
 
 def _tokens_of(out: StepOutput, slot: int) -> np.ndarray | None:

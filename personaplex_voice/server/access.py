@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.process.settings import ServerSettings
 
 
 def presented_key(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:

@@ -3,8 +3,9 @@ and `web/` (or the `--static` build) at `/`. No OpenAPI schema or docs pages are
 
 The app serves HTTP while the model loads (so `/healthz` answers and `/readyz` says "loading");
 the engine is built and warmed in a worker thread by the lifespan, then one SessionManager is
-started and published as `app.state.manager`, which every transport (this chat endpoint, the
-Twilio bridge) shares.
+started and published as `app.state.host`, the `session_api.SessionHost` every transport (this
+chat endpoint, the phone bridges) shares. A cluster front-end passes its `ClusterClient` as the
+host instead; the app treats both alike.
 """
 
 from __future__ import annotations
@@ -13,25 +14,25 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from personaplex_voice.server import access, info, metrics, runtime
+from personaplex_voice.metrics import LabelledSnapshot
+from personaplex_voice.process import runtime
+from personaplex_voice.process.engine_loader import load_engine, warm_engine
+from personaplex_voice.process.settings import ServerSettings
+from personaplex_voice.server import access, info, metrics
 from personaplex_voice.server.chat import chat_endpoint
-from personaplex_voice.server.config import ServerSettings
-from personaplex_voice.server.engine_loader import load_engine, warm_engine
 from personaplex_voice.server.prompts import PromptStore
 from personaplex_voice.server.protocol import ChatParams, QueryError
 from personaplex_voice.server.static import web_root
+from personaplex_voice.session_api import SessionHost, occupancy
 
 log = logging.getLogger("personaplex_voice.server")
 
@@ -40,20 +41,20 @@ OnLoadError = Callable[[BaseException], None]
 
 def create_app(
     settings: ServerSettings,
-    manager: Any | None = None,
+    host: SessionHost | None = None,
     *,
     on_load_error: OnLoadError | None = None,
 ) -> FastAPI:
-    """Build the app. With `manager` given (tests, embedding) no engine is loaded: the lifespan
-    only starts and stops that manager. `on_load_error` is called if loading fails (the CLI uses
-    it to stop the server with the error)."""
+    """Build the app. With `host` given (a cluster front-end's client; tests, embedding) no
+    engine is loaded: the lifespan only starts and stops that host. `on_load_error` is called
+    if loading fails (the CLI uses it to stop the server with the error)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader: asyncio.Task[None] | None = None
-        if manager is not None:
-            await manager.start()
-            _publish(app, manager, getattr(manager, "engine", None))
+        if host is not None:
+            await host.start()
+            _publish(app, host)
             _tune_runtime(settings)
         else:
             loader = asyncio.create_task(_load(app, settings, on_load_error), name="engine-load")
@@ -64,23 +65,21 @@ def create_app(
                 loader.cancel()  # the worker thread finishes on its own; its result is dropped
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await loader
-            if app.state.manager is not None:
-                await app.state.manager.shutdown()
+            if app.state.host is not None:
+                await app.state.host.shutdown()
 
     app = FastAPI(
         title="personaplex-voice", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.settings = settings
     app.state.prompts = PromptStore(ttl_s=settings.prompt_ttl_s)
-    app.state.manager = None
-    app.state.engine = None
+    app.state.host = None
     app.state.model_name = settings.model if settings.engine == "model" else "echo"
     app.state.load_status = {"state": "loading", "detail": "starting"}
     app.state.server_metrics = metrics.ServerMetrics.create()
-    app.state.registry = metrics.build_registry(app.state.server_metrics, lambda: _manager_instruments(app))
-    worker_series = getattr(manager, "prometheus_collector", None)  # a cluster front-end: per-worker series
-    if callable(worker_series):
-        app.state.registry.register(worker_series())
+    app.state.registry = metrics.build_registry(
+        lambda: [LabelledSnapshot({}, app.state.server_metrics.snapshot())], lambda: _host_snapshots(app)
+    )
 
     app.add_api_websocket_route("/api/chat", chat_endpoint)
     app.add_api_route("/api/prompts", _store_prompt, methods=["POST"])
@@ -99,10 +98,10 @@ def create_app(
 async def end_all_calls(app: FastAPI, timeout_s: float = 3.0) -> None:
     """Before the server closes its sockets: end every session, so each caller gets a 0x05
     "the session ended on the server (shutdown)" and a clean close rather than a bare 1012."""
-    manager = app.state.manager
-    if manager is None:
+    host: SessionHost | None = app.state.host
+    if host is None:
         return
-    for session in manager.sessions:
+    for session in host.sessions:
         await session.close(reason="shutdown")
     open_connections = app.state.server_metrics.open_connections
     deadline = time.monotonic() + timeout_s
@@ -149,17 +148,15 @@ async def _load(app: FastAPI, settings: ServerSettings, on_error: OnLoadError | 
         if on_error is not None:
             on_error(exc)
         return
-    _publish(app, manager, engine)
+    _publish(app, manager)
     _tune_runtime(settings)
     status.update(state="ready", detail=f"ready in {time.monotonic() - started:.1f} s")
     log.info("%s: %s, %d session slot(s)", app.state.model_name, status["detail"], manager.capacity)
 
 
-def _publish(app: FastAPI, manager: Any, engine: Any) -> None:
-    app.state.engine = engine
-    app.state.manager = manager
-    if engine is not None and getattr(engine, "name", None):
-        app.state.model_name = engine.name
+def _publish(app: FastAPI, host: SessionHost) -> None:
+    app.state.host = host
+    app.state.model_name = host.model_name
     app.state.load_status.update(state="ready", detail="ready")
 
 
@@ -170,10 +167,9 @@ def _tune_runtime(settings: ServerSettings) -> None:
         runtime.tune_for_realtime()
 
 
-def _manager_instruments(app: FastAPI) -> list[Any]:
-    manager = app.state.manager
-    source = getattr(manager, "metrics", None)
-    return list(source.instruments()) if source is not None else []
+def _host_snapshots(app: FastAPI) -> list[LabelledSnapshot]:
+    host: SessionHost | None = app.state.host
+    return host.metrics_snapshots() if host is not None else []
 
 
 # -- HTTP endpoints ----------------------------------------------------------------------------
@@ -186,24 +182,11 @@ def _require_key(request: Request) -> None:
 
 async def _voices(request: Request) -> JSONResponse:
     _require_key(request)
-    engine = request.app.state.engine
-    if engine is None:
+    host: SessionHost | None = request.app.state.host
+    if host is None:
         return JSONResponse({"detail": "the model is still loading"}, status_code=503)
-    voices = [{"name": v.name, "kind": v.kind, "source": v.source} for v in engine.voices()]
+    voices = [{"name": v.name, "kind": v.kind, "source": v.source} for v in host.voices()]
     return JSONResponse({"voices": voices})
-
-
-def _occupancy(app: FastAPI) -> dict[str, Any]:
-    manager = app.state.manager
-    if manager is None:
-        return {}
-    return {
-        "active": manager.active_count,
-        "queued": manager.queued_count,
-        "reserved": manager.reserved_count,
-        "available": manager.available,
-        "capacity": manager.capacity,
-    }
 
 
 async def _healthz(request: Request) -> JSONResponse:
@@ -216,7 +199,9 @@ async def _healthz(request: Request) -> JSONResponse:
     if not (settings.api_key is not None and access.key_ok(settings, request.headers, request.query_params)):
         model = info.public_model_name(model)
         status["detail"] = info.redact_paths(str(status.get("detail", "")), settings)
-    return JSONResponse({"status": "ok", "model": model, **status, **_occupancy(app)})
+    host: SessionHost | None = app.state.host
+    counts = occupancy(host) if host is not None else {}
+    return JSONResponse({"status": "ok", "model": model, **status, **counts})
 
 
 async def _store_prompt(request: Request) -> JSONResponse:
@@ -284,31 +269,22 @@ async def _readyz(request: Request) -> JSONResponse:
     when every slot is taken or reserved (so a load balancer sends the next caller elsewhere)."""
     app = request.app
     status = dict(app.state.load_status)
-    readiness = getattr(app.state.manager, "readiness", None)  # a cluster front-end: cluster-wide
-    if status["state"] == "ready" and callable(readiness):
-        ok, body = readiness()
-        model = info.public_model_name(app.state.model_name)
-        return JSONResponse({"model": model, **body}, status_code=200 if ok else 503)
-    occupancy = _occupancy(app)
-    if status["state"] != "ready":
+    host: SessionHost | None = app.state.host
+    if status["state"] != "ready" or host is None:
         return JSONResponse({"status": status["state"], "detail": status["detail"]}, status_code=503)
-    if occupancy["available"] <= 0:
-        return JSONResponse({"status": "full", **occupancy}, status_code=503)
+    ok, body = host.readiness()
     model = info.public_model_name(app.state.model_name)  # never a local path, to anyone
-    return JSONResponse({"status": "ready", "model": model, **occupancy})
+    return JSONResponse({**body, "model": model}, status_code=200 if ok else 503)
 
 
 async def _cluster(request: Request) -> JSONResponse:
     """The engine workers behind this server (pid, device, node, slots, cached personas) and
     this process; one embedded worker when the server runs in one process."""
     _require_key(request)
-    manager = request.app.state.manager
-    describe = getattr(manager, "cluster_status", None)
-    if callable(describe):
-        return JSONResponse(describe())
-    occupancy = _occupancy(request.app)
-    frontend = {"id": "embedded", "pid": os.getpid(), "torch_loaded": "torch" in sys.modules}
-    return JSONResponse({"mode": "embedded", "frontend": frontend, **occupancy})
+    host: SessionHost | None = request.app.state.host
+    if host is None:
+        return JSONResponse({"detail": "the model is still loading"}, status_code=503)
+    return JSONResponse(host.describe())
 
 
 async def _metrics(request: Request) -> Response:

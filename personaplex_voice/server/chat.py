@@ -2,7 +2,7 @@
 
 Life of a connection:
 1. accept; check Origin, API key, that the engine is loaded, and the query values;
-2. `manager.open(persona)`; send 0x04 metadata (with the queue position while waiting, sent
+2. `host.open(persona)`; send 0x04 metadata (with the queue position while waiting, sent
    again whenever it changes);
 3. once `session.ready()` (system prompt in the slot), send the 0x00 handshake;
 4. two tasks run until either ends: *receive* (0x01 Ogg-Opus → PCM → `session.push`, unknown
@@ -35,10 +35,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from personaplex_voice.audio.budget import DecodeBudget, DecodeBudgetExceeded, TokenBucket
 from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
 from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, PersonaError
+from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server import access, info, protocol
-from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.metrics import ServerMetrics
 from personaplex_voice.server.protocol import ChatParams, Kind, QueryError
+from personaplex_voice.session_api import CallSession, SessionHost
 
 log = logging.getLogger("personaplex_voice.server.chat")
 
@@ -75,8 +76,8 @@ class ChatConnection:
         self.ws = ws
         self.settings = settings
         self.metrics = metrics
-        self.state = state  # app.state: manager, model_name, load status
-        self.session: Any = None
+        self.state = state  # app.state: host, model_name, load status
+        self.session: CallSession | None = None
         self.params: ChatParams | None = None
         self._send_lock = asyncio.Lock()
         self._reader = OggOpusReader(sample_rate=SAMPLE_RATE)
@@ -122,13 +123,13 @@ class ChatConnection:
     async def _converse(self) -> None:
         self._admission_checks()
         assert self.params is not None
-        manager = self.state.manager
+        host: SessionHost = self.state.host
         try:
-            self.session = await manager.open(self.params.persona())
+            self.session = await host.open(self.params.persona())
         except CapacityError as exc:
             retry = f"; retry in about {exc.retry_after_s:.0f} s" if exc.retry_after_s else ""
             raise Refusal(
-                "capacity", f"the server is full ({manager.capacity} sessions){retry}", CLOSE_TRY_LATER
+                "capacity", f"the server is full ({host.capacity} sessions){retry}", CLOSE_TRY_LATER
             ) from None
         except PersonaError as exc:
             raise Refusal("persona", str(exc), CLOSE_POLICY) from None
@@ -178,7 +179,7 @@ class ChatConnection:
             raise Refusal("origin", f"origin {headers.get('origin')!r} is not allowed", CLOSE_POLICY)
         if not access.key_ok(self.settings, headers, query):
             raise Refusal("auth", "missing or wrong API key (pass ?token=KEY)", CLOSE_POLICY)
-        if self.state.manager is None:
+        if self.state.host is None:
             status = self.state.load_status
             if status.get("state") == "failed":
                 raise Refusal(
@@ -251,7 +252,7 @@ class ChatConnection:
             "sample_rate": SAMPLE_RATE,
             "frame_ms": 80,
             "queue_position": position or 0,
-            "max_sessions": self.state.manager.capacity,
+            "max_sessions": self.state.host.capacity,
             "text_temperature": sampling.text_temperature,
             "text_topk": sampling.text_topk,
             "audio_temperature": sampling.audio_temperature,

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.process.settings import ServerSettings
 
 # A Hugging Face repo id (`owner/name`); anything else with a separator is taken as a path.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

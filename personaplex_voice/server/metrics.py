@@ -1,8 +1,10 @@
-"""Prometheus export: the SessionManager's instruments plus the server's own, under `personaplex_`.
+"""Prometheus export: every snapshot of the process (the server's own instruments and its session
+host's: the embedded manager, or a front-end and the engine workers it heard) under `personaplex_`.
 
-The manager keeps framework-free instruments (`personaplex_voice.metrics`); a custom collector
-reads them at scrape time, so nothing is copied on the hot path. Each app gets its own
-`CollectorRegistry`, so several apps in one process (tests) never clash.
+This is the one place instruments become Prometheus series. Sources give `LabelledSnapshot`s
+(`personaplex_voice.metrics`) at scrape time, so nothing is copied on the hot path; snapshots of
+one instrument with different labels (one per engine worker) become one family. Each app gets
+its own `CollectorRegistry`, so several apps in one process (tests) never clash.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from personaplex_voice.metrics import Counter, Gauge, Histogram
+from personaplex_voice.metrics import Counter, Gauge, InstrumentSet, LabelledSnapshot
 
 PREFIX = "personaplex_"
 
+SnapshotSource = Callable[[], Iterable[LabelledSnapshot]]
+
 
 @dataclass
-class ServerMetrics:
+class ServerMetrics(InstrumentSet):
     """What only the transport sees: bytes on the wire and refusals, by kind."""
 
     bytes_in: Counter
@@ -47,46 +51,73 @@ class ServerMetrics:
             open_connections=Gauge("chat_open_connections", "WebSockets currently open on /api/chat"),
         )
 
-    def instruments(self) -> Iterator[Counter | Gauge | Histogram]:
-        for value in vars(self).values():
-            if isinstance(value, Counter | Gauge | Histogram):
-                yield value
+
+def families(snapshots: Iterable[LabelledSnapshot]) -> Iterator[Metric]:
+    """Prometheus families of `snapshots`; an instrument seen under several label sets (a worker
+    each) is one family. Rows whose label names differ from the family's first are skipped."""
+    grouped: dict[str, list[tuple[dict[str, str], dict[str, Any]]]] = {}
+    for snapshot in snapshots:
+        for name, entry in snapshot.instruments.items():
+            grouped.setdefault(name, []).append((snapshot.labels, entry))
+    for name, rows in grouped.items():
+        first_labels, first = rows[0]
+        outer = sorted(first_labels)
+        rows = [
+            (labels, entry)
+            for labels, entry in rows
+            if sorted(labels) == outer and entry.get("kind") == first.get("kind")
+        ]
+        family = _family(PREFIX + name, first, outer)
+        if family is None:
+            continue
+        for labels, entry in rows:
+            _add(family, entry, [labels[key] for key in outer])
+        yield family
 
 
-def _families(instruments: Iterable[Any]) -> Iterator[Metric]:
-    for inst in instruments:
-        name = PREFIX + inst.name
-        if isinstance(inst, Counter):
-            # prometheus-client appends `_total` to counters itself.
-            family = CounterMetricFamily(
-                name.removesuffix("_total"), inst.help, labels=[inst.label] if inst.label else None
+def _family(name: str, entry: dict[str, Any], outer: list[str]) -> Metric | None:
+    kind, help, inner = entry.get("kind"), str(entry.get("help") or name), entry.get("label")
+    names = outer + ([str(inner)] if inner else [])
+    if kind == "counter":  # prometheus-client appends `_total` itself
+        return CounterMetricFamily(name.removesuffix("_total"), help, labels=names)
+    if kind == "gauge":
+        return GaugeMetricFamily(name, help, labels=names)
+    if kind == "histogram":
+        return HistogramMetricFamily(name, help, labels=outer)
+    return None
+
+
+def _add(family: Metric, entry: dict[str, Any], values: list[str]) -> None:
+    value = entry.get("value")
+    if isinstance(family, HistogramMetricFamily):
+        if isinstance(value, dict) and isinstance(value.get("buckets"), dict):
+            buckets = sorted(
+                ((bound, int(count)) for bound, count in value["buckets"].items()),
+                key=lambda item: float("inf") if item[0] == "+Inf" else float(item[0]),
             )
-            for label, value in sorted(inst.values().items()):
-                family.add_metric([label] if inst.label else [], value)
-            yield family
-        elif isinstance(inst, Gauge):
-            yield GaugeMetricFamily(name, inst.help, value=inst.value)
-        elif isinstance(inst, Histogram):
-            buckets = [("+Inf" if b == float("inf") else repr(b), n) for b, n in inst.cumulative()]
-            yield HistogramMetricFamily(name, inst.help, buckets=buckets, sum_value=inst.sum)
+            family.add_metric(values, buckets=buckets, sum_value=float(value.get("sum", 0.0)))
+    elif isinstance(value, dict):  # a labelled counter or gauge: {label value: number}
+        for key, number in sorted(value.items()):
+            if isinstance(number, int | float):
+                family.add_metric([*values, str(key)], float(number))  # type: ignore[attr-defined]
+    elif isinstance(value, int | float):
+        family.add_metric(values, float(value))  # type: ignore[attr-defined]
 
 
-class InstrumentCollector(Collector):
-    """Reads instruments from callables at scrape time (the manager may appear after startup)."""
+class SnapshotCollector(Collector):
+    """Reads the sources at scrape time (the session host may appear after startup)."""
 
-    def __init__(self, sources: Iterable[Callable[[], Iterable[Any]]]):
+    def __init__(self, sources: Iterable[SnapshotSource]):
         self._sources = list(sources)
 
     def collect(self) -> Iterator[Metric]:
-        for source in self._sources:
-            yield from _families(source())
+        snapshots = [snapshot for source in self._sources for snapshot in source()]
+        yield from families(snapshots)
 
 
-def build_registry(
-    server: ServerMetrics, manager_instruments: Callable[[], Iterable[Any]]
-) -> CollectorRegistry:
+def build_registry(*sources: SnapshotSource) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(InstrumentCollector([server.instruments, manager_instruments]))
+    registry.register(SnapshotCollector(sources))
     return registry
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from personaplex_voice.server.config import ServerSettings
+from personaplex_voice.process.settings import ServerSettings
 
 Progress = Callable[[str], None]
 
@@ -24,7 +24,12 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
         progress(f"starting the echo engine ({settings.max_sessions} slots)")
         return build_engine(engine="echo", num_slots=settings.max_sessions, text_pieces=ECHO_TEXT)
 
-    from personaplex_voice.cli_options import configure_threads, engine_options, parse_dtype, source_overrides
+    from personaplex_voice.engine.options import (
+        configure_threads,
+        engine_options,
+        parse_dtype,
+        source_overrides,
+    )
 
     device = resolve_device(settings.device)
     if settings.threads:  # before loading too: the load itself runs torch ops

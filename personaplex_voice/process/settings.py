@@ -6,13 +6,15 @@ user actually gave) > environment variables > the defaults below.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from personaplex_voice.server.http_guard import HttpLimits
+from personaplex_voice.process.http_guard import HttpLimits
 
 
 class ServerSettings(BaseSettings):
@@ -53,7 +55,7 @@ class ServerSettings(BaseSettings):
     # Persona cache: slot snapshots after the system prompt, so a repeated persona skips the
     # prefill. 0 disables it.
     persona_cache_mb: float = Field(1024.0, ge=0)
-    # gc.freeze and a 1 ms GIL switch interval once the engine is loaded (server/runtime.py).
+    # gc.freeze and a 1 ms GIL switch interval once the engine is loaded (process/runtime.py).
     tune_runtime: bool = True
     api_key: SecretStr | None = None
     # Comma-separated list of allowed browser origins; empty or "*" allows every origin.
@@ -78,7 +80,7 @@ class ServerSettings(BaseSettings):
     # SIGTERM on a cluster: stop admitting, let running calls go on up to this long, then end them.
     drain_s: float = Field(30.0, ge=0)
 
-    # HTTP limits (server/http_guard.py): a longer request line gets 414, more or larger headers
+    # HTTP limits (process/http_guard.py): a longer request line gets 414, more or larger headers
     # 431; a request whose head is not complete this long after connecting (or after the last
     # response) gets 408, an idle connection is closed. Keep-alive: idle time between requests.
     max_request_line_bytes: int = Field(16 * 1024, ge=1024, le=1 << 20)
@@ -154,3 +156,9 @@ class ServerSettings(BaseSettings):
         if self.ssl is None:
             return None
         return self.ssl / "cert.pem", self.ssl / "key.pem"
+
+
+def settings_from_file(path: str | os.PathLike[str], **overrides: Any) -> ServerSettings:
+    """Settings a parent process wrote as JSON (the supervisor for its children)."""
+    values = json.loads(Path(path).read_text())
+    return ServerSettings(**{**values, **overrides})

@@ -1,13 +1,13 @@
-"""`personaplex-voice serve`: run the server under uvicorn.
+"""`personaplex-voice serve`: the flags, then one server process or a cluster.
 
 Every flag has a `PERSONAPLEX_<NAME>` environment variable (e.g. `PERSONAPLEX_MAX_SESSIONS=8`);
 a flag given on the command line wins over the environment. Defaults live in `ServerSettings`.
+With no cluster flag the server runs in this process (`server.run`); with `--workers`,
+`--engine-workers`, `--gpus` or `--ray` the supervisor runs the cluster (`cluster.supervisor`).
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -29,8 +29,7 @@ from personaplex_voice.cli_options import (
     VoiceDirOpt,
 )
 from personaplex_voice.errors import UserError
-from personaplex_voice.server.config import ServerSettings
-from personaplex_voice.server.http_guard import ClientMistakesAreWarnings, protocol_classes
+from personaplex_voice.process.settings import ServerSettings
 
 
 def serve(
@@ -188,132 +187,7 @@ def serve(
         from personaplex_voice.cluster.supervisor import run_cluster
 
         run_cluster(settings)
-        return
-    run_server(settings)
+    else:
+        from personaplex_voice.server.run import run
 
-
-class RedactTokens(logging.Filter):
-    """Uvicorn logs request lines with their query string: keep API keys out of the logs."""
-
-    _TOKEN = re.compile(r"(token=)[^&\s\"']+")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(
-                self._TOKEN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
-            )
-        if isinstance(record.msg, str):
-            record.msg = self._TOKEN.sub(r"\1***", record.msg)
-        return True
-
-
-def check_files(settings: ServerSettings) -> None:
-    """The files the settings name exist (before anything starts)."""
-    ssl_files = settings.ssl_files()
-    if ssl_files is not None:
-        for path in ssl_files:
-            if not path.is_file():
-                raise UserError(f"--ssl {settings.ssl}: {path.name} not found (need cert.pem and key.pem)")
-    if settings.voice_dir is not None and not settings.voice_dir.is_dir():
-        raise UserError(f"--voice-prompt-dir {settings.voice_dir}: not a directory")
-    if settings.static is not None and not (settings.static / "index.html").is_file():
-        raise UserError(f"--static {settings.static}: no index.html there (give a client build's folder)")
-    for flag, path in (
-        ("--moshi-weight", settings.moshi_weight),
-        ("--mimi-weight", settings.mimi_weight),
-        ("--tokenizer", settings.tokenizer),
-    ):
-        if path is not None and not path.is_file():
-            raise UserError(f"{flag} {path}: no such file")
-
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def configure_logging(settings: ServerSettings, fmt: str = LOG_FORMAT) -> None:
-    level = settings.log_level.upper()
-    # The CLI set up warnings-only logging; a server wants its info lines, with timestamps.
-    logging.basicConfig(level=level, format=fmt, force=True)
-    for name in ("uvicorn.access", "uvicorn.error"):
-        logging.getLogger(name).addFilter(RedactTokens())
-    logging.getLogger("uvicorn.error").addFilter(ClientMistakesAreWarnings())
-
-
-def uvicorn_config(settings: ServerSettings, app: object):
-    """The uvicorn settings every server process runs with (the embedded server, each front-end)."""
-    import uvicorn
-
-    ssl_files = settings.ssl_files()
-    http_protocol, ws_protocol = protocol_classes(settings.http_limits())
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        ssl_certfile=str(ssl_files[0]) if ssl_files else None,
-        ssl_keyfile=str(ssl_files[1]) if ssl_files else None,
-        log_level=settings.log_level.lower(),
-        # Above our own per-message cap, so an oversize message gets a 0x05 from us, not a bare close.
-        ws_max_size=max(16 * 1024 * 1024, 4 * settings.max_message_bytes),
-        ws_per_message_deflate=False,  # Opus does not compress; deflate would only cost CPU
-        # Request-line, header and head-timeout limits, and WebSocket upgrades that are always
-        # answered (server/http_guard.py: uvicorn alone leaves all three open).
-        http=http_protocol,
-        ws=ws_protocol,
-        timeout_keep_alive=settings.http_keepalive_timeout_s,
-        timeout_graceful_shutdown=5,
-        lifespan="on",
-    )
-
-
-def call_ending_server_class():
-    """uvicorn.Server that ends the calls in words before closing sockets (uvicorn itself closes
-    WebSockets with a bare 1012 on shutdown). A function, so importing this module stays cheap."""
-    import uvicorn
-
-    from personaplex_voice.server.app import end_all_calls
-
-    class CallEndingServer(uvicorn.Server):
-        def __init__(self, config: uvicorn.Config, app: object):
-            super().__init__(config)
-            self._app = app
-
-        async def shutdown(self, sockets: list | None = None) -> None:
-            await end_all_calls(self._app)
-            await super().shutdown(sockets)
-
-    return CallEndingServer
-
-
-def run_server(settings: ServerSettings) -> None:
-    from personaplex_voice.audio.opus_library import require_opus
-
-    require_opus()  # /api/chat speaks Ogg-Opus: a machine without libopus is told so, in one line
-    from personaplex_voice.server.app import create_app
-
-    check_files(settings)
-    configure_logging(settings)
-
-    failure: list[BaseException] = []
-    server = None
-
-    def on_load_error(exc: BaseException) -> None:
-        failure.append(exc)
-        if server is not None:
-            server.should_exit = True
-
-    app = create_app(settings, on_load_error=on_load_error)
-    server = call_ending_server_class()(uvicorn_config(settings, app), app)
-    logging.getLogger("personaplex_voice.server").info(
-        "serving %s on %s://%s:%d/ (engine %s)",
-        settings.model if settings.engine == "model" else "echo",
-        settings.scheme,
-        settings.host,
-        settings.port,
-        settings.engine,
-    )
-    server.run()
-    if failure:
-        exc = failure[0]
-        if isinstance(exc, UserError):
-            raise exc
-        raise UserError(f"could not load the model: {exc}") from exc
+        run(settings)
