@@ -120,6 +120,11 @@ class SessionStream:
             self._input_ended = True
             return True
 
+    def take_output(self) -> OutFrame | None:
+        """The oldest queued output frame, or None (never waits)."""
+        with self._lock:
+            return self._out.popleft() if self._out else None
+
     def next_frame(self) -> tuple[OutFrame | None, asyncio.Future | None]:
         """(an output frame, None), or (None, a future for the next change) while none is queued,
         or (None, None) once the session ended and every frame was taken."""

@@ -13,9 +13,9 @@ import typer
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from personaplex_voice import serve_command
 from personaplex_voice.errors import UserError
 from personaplex_voice.process.settings import ServerSettings
-from personaplex_voice import serve_command
 from personaplex_voice.server import run as server_run
 from personaplex_voice.server.app import create_app
 

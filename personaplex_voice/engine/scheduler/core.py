@@ -1,4 +1,4 @@
-"""The scheduler: the one owner of every session's state, and the frame clock that steps them.
+"""The `Scheduler`: the one owner of every session's state, and the frame clock that steps them.
 
 Shaped like vLLM's scheduler, which owns its requests: the waiting queue, the reservation
 tickets, the slot table and every state transition of a session (`add`, `abort`, and the
@@ -38,438 +38,46 @@ No asyncio and no sockets here: the thread reaches a session's audio only throug
 
 from __future__ import annotations
 
-import enum
 import logging
-import secrets
 import threading
-import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
-    SAMPLE_RATE,
     CapacityError,
     Engine,
     EngineError,
     Persona,
     PersonaError,
     PreparedPersona,
-    SlotError,
     SlotPrefill,
     StepOutput,
 )
 from personaplex_voice.engine.persona_cache import PersonaCache
+from personaplex_voice.engine.scheduler.clock import Clock, MonotonicClock
+from personaplex_voice.engine.scheduler.config import SchedulerConfig
+from personaplex_voice.engine.scheduler.isolation import step_isolating
+from personaplex_voice.engine.scheduler.records import (
+    ScheduledSession,
+    SessionState,
+    SlotStream,
+    Ticket,
+    TicketError,
+    WaitingQueue,
+    new_ticket_id,
+)
 from personaplex_voice.metrics import SessionMetrics
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("personaplex_voice.engine.scheduler")
 
-FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
 # A prefill that got no chunk for this many ticks in a row (the engine's steps leave no room in
 # the frame period) gets one anyway: joining callers are slowed down, never starved.
 PREFILL_STARVE_TICKS = 4
 # The idle thread wakes at least this often (tickets expire within it of their TTL).
 HOUSEKEEPING_S = 0.5
-
-
-class SessionState(enum.Enum):
-    """A session's life. Embedded sessions go QUEUED -> JOINING -> RUNNING -> CLOSED (any step may
-    jump to CLOSED); a cluster front-end's sessions pass through PLACING while a worker answers."""
-
-    QUEUED = "queued"  # waiting for a free slot
-    PLACING = "placing"  # (cluster front-end) asked an engine worker for a slot, no answer yet
-    JOINING = "joining"  # holds a slot; its prefill or restore is pending or running
-    RUNNING = "running"  # prompt in: stepped every tick (realtime: from its first input frame)
-    CLOSED = "closed"
-
-
-class TicketError(CapacityError):
-    """A reservation ticket that is unknown, expired or already used: the caller gets no slot."""
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """A slot set aside by `reserve` for one later open that presents `id`.
-
-    `id` is unguessable (it is the only thing a redeemer presents) and works once; `expires_at`
-    is on the scheduler's clock; `persona` is the one the open uses when given none (so whoever
-    reserved can decide who the agent is, e.g. a phone call's answer webhook).
-    """
-
-    id: str
-    expires_at: float
-    persona: Persona | None = None
-
-
-def new_ticket_id() -> str:
-    return secrets.token_urlsafe(18)
-
-
-# -- configuration ----------------------------------------------------------------------------------
-
-
-def default_max_input_s(realtime: bool) -> float:
-    """The input backlog bound per session when none is given: a second in realtime (older input
-    is latency nobody wants), ten minutes otherwise (offline runs push whole files)."""
-    return 1.0 if realtime else 600.0
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Every policy knob of the scheduler, in the units it uses (frames, ticks, seconds).
-
-    Build it from seconds with `SchedulerConfig.create(...)`; docs/sessions.md explains each.
-    """
-
-    realtime: bool = True
-    max_queue: int = 0  # sessions that may wait for a slot (0: refuse when full)
-    lossless: bool = False  # wait for consumers instead of dropping their oldest frames
-    frame_period_s: float = FRAME_SECONDS
-    max_catchup_ticks: int = 3  # realtime: beyond this many ticks behind, the clock skips ahead
-    late_wait_s: float = 0.020  # realtime: the most a tick waits for late input
-    input_slack_frames: int = 2  # realtime jitter buffer: spare frames kept at most
-    input_settle_ticks: int | None = 12  # realtime jitter buffer: unused spare goes after this
-    max_input_samples: int = SAMPLE_RATE  # input backlog bound per session, at push time
-    output_frames: int = 64  # output queue bound per session
-    max_call_frames: int | None = 45_000  # a call ends after this many frames (None: never)
-    idle_timeout_s: float | None = 60.0  # a call that pushes nothing this long ends
-    retry_after_s: float = 5.0  # the hint in CapacityError
-
-    def __post_init__(self) -> None:
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.output_frames < 1:
-            raise ValueError(f"output_frames must be >= 1, got {self.output_frames}")
-        if not self.frame_period_s > 0:
-            raise ValueError(f"frame_period_s must be > 0, got {self.frame_period_s}")
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        realtime: bool = True,
-        max_queue: int = 0,
-        max_call_s: float | None = 3600.0,
-        idle_timeout_s: float | None = 60.0,
-        late_wait_s: float = 0.020,
-        input_slack_s: float = 0.16,
-        input_settle_s: float | None = 1.0,
-        max_input_s: float | None = None,
-        output_frames: int = 64,
-        lossless: bool | None = None,
-        retry_after_s: float = 5.0,
-        frame_period_s: float = FRAME_SECONDS,
-        max_catchup_ticks: int = 3,
-    ) -> SchedulerConfig:
-        """The config from durations in seconds (None: the documented default or no limit)."""
-        if max_input_s is None:
-            max_input_s = default_max_input_s(realtime)
-        return cls(
-            realtime=realtime,
-            max_queue=max_queue,
-            lossless=(not realtime) if lossless is None else lossless,
-            frame_period_s=frame_period_s,
-            max_catchup_ticks=max_catchup_ticks,
-            late_wait_s=late_wait_s,
-            input_slack_frames=max(0, int(input_slack_s / FRAME_SECONDS + 1e-9)),
-            input_settle_ticks=None
-            if input_settle_s is None
-            else max(1, round(input_settle_s / FRAME_SECONDS)),
-            max_input_samples=max(FRAME_SIZE, round(max_input_s * SAMPLE_RATE)),
-            output_frames=output_frames,
-            max_call_frames=None if max_call_s is None else max(1, round(max_call_s / FRAME_SECONDS)),
-            idle_timeout_s=idle_timeout_s,
-            retry_after_s=retry_after_s,
-        )
-
-
-# -- time ---------------------------------------------------------------------------------------------
-
-
-class Clock(Protocol):
-    """Where the scheduler gets its time and how it waits."""
-
-    def now(self) -> float:
-        """Seconds on a monotonic clock (deadlines, ticket expiry, idleness)."""
-
-    def elapsed(self) -> float:
-        """A high-resolution clock for durations (engine steps, prefill chunks)."""
-
-    def wait(self, cond: threading.Condition, timeout: float | None) -> None:
-        """Wait on `cond` (held by the caller) until notified or `timeout` seconds pass."""
-
-
-class MonotonicClock:
-    def now(self) -> float:
-        return time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.perf_counter()
-
-    def wait(self, cond: threading.Condition, timeout: float | None) -> None:
-        cond.wait(timeout)
-
-
-# -- what a session offers the thread ----------------------------------------------------------------
-
-
-class SlotStream(Protocol):
-    """A session's audio buffers as the inference thread uses them (the session layer implements
-    it with its own lock; every method is quick and never blocks on the engine)."""
-
-    @property
-    def had_input(self) -> bool:
-        """A full input frame was taken at least once."""
-
-    @property
-    def input_ended(self) -> bool:
-        """No more input will come."""
-
-    @property
-    def last_input(self) -> float:
-        """When input last arrived, on the scheduler's clock (`Clock.now`)."""
-
-    def has_frame(self) -> bool:
-        """A full input frame is buffered."""
-
-    def take_frame(self) -> np.ndarray | None:
-        """The next input frame (float32 [FRAME_SIZE]), or None when short of one."""
-
-    def count_silence(self, late: bool) -> None:
-        """A tick fed silence: a late frame, or lead-in before the first full frame."""
-
-    def trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
-        """The realtime jitter buffer after a tick; returns the whole frames dropped."""
-
-    def output_backlog(self) -> int:
-        """Output frames not yet taken by the consumer."""
-
-    def frames_out(self) -> int:
-        """Output frames made so far."""
-
-    def deliver(self, pcm: np.ndarray, text: str | None, tokens: np.ndarray | None, max_frames: int) -> int:
-        """Hand one output frame to the consumer, dropping the oldest beyond `max_frames`;
-        returns the frames dropped. Must not block."""
-
-    def state_changed(self) -> None:
-        """The record's state changed: wake whoever awaits the session."""
-
-    def ended(self) -> None:
-        """The session closed: drop buffered input, wake everybody."""
-
-
-class SessionRecord:
-    """A session's state: written only by the transitions below, which its host calls from the
-    one place that owns its sessions (this module's `Scheduler` for an embedded session; a
-    cluster front-end for its own); everything else reads it. `opened_at` is on the host's
-    clock."""
-
-    def __init__(self, session_id: str, opened_at: float):
-        self.id = session_id
-        self.opened_at = opened_at
-        self._state = SessionState.QUEUED
-        self._slot: int | None = None
-        self._queue_position: int | None = None
-        self._close_reason: str | None = None
-        self._error: BaseException | None = None
-        self._was_ready = False
-        self._queue_wait_s: float | None = None
-        self._prefill_s: float | None = None
-        self._cache_hit: bool | None = None
-        self._running_since: float | None = None
-
-    @property
-    def state(self) -> SessionState:
-        return self._state
-
-    @property
-    def slot(self) -> int | None:
-        return self._slot
-
-    @property
-    def queue_position(self) -> int | None:
-        """1 for the first waiting session; None when not waiting."""
-        return self._queue_position
-
-    @property
-    def close_reason(self) -> str | None:
-        return self._close_reason
-
-    @property
-    def error(self) -> BaseException | None:
-        """What ended the session, for `ready()` to raise (None: a plain close)."""
-        return self._error
-
-    @property
-    def was_ready(self) -> bool:
-        """It ran (RUNNING at some point); stays True after it closed."""
-        return self._was_ready
-
-    @property
-    def closed(self) -> bool:
-        return self._state is SessionState.CLOSED
-
-    @property
-    def queue_wait_s(self) -> float | None:
-        return self._queue_wait_s
-
-    @property
-    def prefill_s(self) -> float | None:
-        return self._prefill_s
-
-    @property
-    def cache_hit(self) -> bool | None:
-        return self._cache_hit
-
-    @property
-    def running_since(self) -> float | None:
-        """When it became RUNNING, on the owner's clock."""
-        return self._running_since
-
-    # The transitions. Each host (this module's Scheduler; a cluster front-end for its own
-    # sessions) calls them from the one place that owns its sessions.
-
-    def mark_queued(self, position: int | None) -> None:
-        self._queue_position = position
-
-    def mark_placing(self) -> None:
-        """(cluster front-end) an engine worker was asked for a slot."""
-        self._state = SessionState.PLACING
-
-    def mark_unplaced(self) -> None:
-        """(cluster front-end) the worker refused or went away before answering: queued again."""
-        if self._state is SessionState.PLACING:
-            self._state = SessionState.QUEUED
-
-    def mark_joining(self, slot: int | None, waited_s: float | None) -> None:
-        self._state = SessionState.JOINING
-        self._slot = slot
-        self._queue_position = None
-        self._queue_wait_s = waited_s
-
-    def mark_running(self, now: float, prefill_s: float | None, cache_hit: bool | None) -> None:
-        self._state = SessionState.RUNNING
-        self._running_since = now
-        self._was_ready = True
-        self._prefill_s = prefill_s
-        self._cache_hit = cache_hit
-
-    def mark_closed(self, reason: str, error: BaseException | None) -> bool:
-        """False when it was closed already (the first reason sticks)."""
-        if self._state is SessionState.CLOSED:
-            return False
-        self._state = SessionState.CLOSED
-        self._close_reason = reason
-        self._error = error
-        self._queue_position = None
-        return True
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.id} {self._state.value} slot={self._slot}>"
-
-
-class ScheduledSession(SessionRecord):
-    """An embedded session as the scheduler holds it: its state, its prepared persona (dropped
-    once closed, so its tensors do not outlive the call) and its stream."""
-
-    def __init__(self, session_id: str, prepared: PreparedPersona, stream: SlotStream, opened_at: float):
-        super().__init__(session_id, opened_at)
-        self.stream = stream
-        self._prepared: PreparedPersona | None = prepared
-
-    @property
-    def prepared(self) -> PreparedPersona | None:
-        return self._prepared
-
-    def mark_closed(self, reason: str, error: BaseException | None) -> bool:
-        if not super().mark_closed(reason, error):
-            return False
-        self._prepared = None
-        return True
-
-
-# -- the waiting queue --------------------------------------------------------------------------------
-
-
-class QueueItem(Protocol):
-    @property
-    def record(self) -> SessionRecord: ...
-
-
-Item = TypeVar("Item", bound=QueueItem)
-
-
-class WaitingQueue(Generic[Item]):
-    """Sessions waiting for a slot, in arrival order, each record's `queue_position` kept in step.
-    The embedded scheduler and a cluster front-end both queue with it."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._items: list[Item] = []
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[Item]:
-        return iter(list(self._items))
-
-    def __bool__(self) -> bool:
-        return bool(self._items)
-
-    @property
-    def full(self) -> bool:
-        return len(self._items) >= self.limit
-
-    def refusal(self, capacity: int, retry_after_s: float, where: str = "") -> tuple[str, CapacityError]:
-        """(the rejection reason label, the error) for an open that neither fits nor may wait."""
-        reason = "full" if self.limit == 0 else "queue_full"
-        queue = f" and the queue of {self.limit} is full" if self.limit else ""
-        message = f"all {capacity} sessions{where} are busy{queue}; retry in {retry_after_s:g} s"
-        return reason, CapacityError(message, retry_after_s=retry_after_s)
-
-    def append(self, item: Item) -> None:
-        self._items.append(item)
-        item.record.mark_queued(len(self._items))
-
-    def first(self) -> Item | None:
-        return self._items[0] if self._items else None
-
-    def pop_first(self) -> Item:
-        item = self._items.pop(0)
-        item.record.mark_queued(None)
-        self._renumber()
-        return item
-
-    def push_front(self, item: Item) -> None:
-        """Back to the head of the line (its placement failed for want of room)."""
-        self._items.insert(0, item)
-        self._renumber()
-
-    def remove(self, item: Item) -> bool:
-        try:
-            self._items.remove(item)
-        except ValueError:
-            return False
-        item.record.mark_queued(None)
-        self._renumber()
-        return True
-
-    def clear(self) -> list[Item]:
-        items, self._items = self._items, []
-        for item in items:
-            item.record.mark_queued(None)
-        return items
-
-    def _renumber(self) -> None:
-        for i, item in enumerate(self._items):
-            item.record.mark_queued(i + 1)
-
-
-# -- the scheduler -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -736,9 +344,15 @@ class Scheduler:
             self._tickets.outstanding.clear()
         self.abort_all(reason)
         with self.cond:
+            self._update_gauges()
+        return self.stop()
+
+    def stop(self) -> threading.Thread | None:
+        """Ask the loop to end after its current tick, leaving the sessions as they are (tests
+        that drive `run` on a fake clock stop it this way); returns the thread, for joining."""
+        with self.cond:
             self._stopping = True
             self.cond.notify_all()
-            self._update_gauges()
             return self._thread
 
     def run(self) -> None:
@@ -1110,6 +724,15 @@ class Scheduler:
 
     # ---- the tick --------------------------------------------------------------------------------------
 
+    def _fail_step(self, record: ScheduledSession, exc: BaseException, first: bool) -> None:
+        if first:
+            log.error("engine.step failed for slot %s: %s", record.slot, exc, exc_info=exc)
+        else:
+            log.error("engine.step failed for slot %s: %s", record.slot, exc)
+        self.metrics.engine_errors.inc(label="step")
+        self.metrics.slot_failures.inc()
+        self.abort(record, "engine_error", EngineError(f"the engine failed: {exc}"))
+
     def _tick(self) -> None:
         """One batched step of every running session."""
         config = self.config
@@ -1137,7 +760,7 @@ class Scheduler:
             self.metrics.jitter_dropped_frames.inc(trimmed)
             self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
         t0 = self.clock.elapsed()
-        results = self._step_isolating(running, pcm, first=True)
+        results = step_isolating(self.engine, running, pcm, self._fail_step)
         step_s = self.clock.elapsed() - t0
         self.metrics.tick_seconds.observe(step_s)
         self.recent_steps.append(step_s)
@@ -1154,57 +777,6 @@ class Scheduler:
         if dropped:
             self.metrics.dropped_output_frames.inc(dropped)
         self._enforce_limits()
-
-    def _step_isolating(
-        self, records: list[ScheduledSession], pcm: np.ndarray, first: bool = False
-    ) -> list[tuple[ScheduledSession, StepOutput]]:
-        """`engine.step` for `records`; a failure ends only the sessions it is pinned on.
-
-        `SlotError` names the guilty slots before any state changed: they end, the rest is
-        stepped again. Any other error is bisected: each half is stepped on its own until a
-        failing session is alone (every healthy session is stepped exactly once)."""
-        active = np.zeros(self.engine.num_slots, bool)
-        for record in records:
-            active[record.slot] = True
-        try:
-            out = self.engine.step(pcm, active)
-        except SlotError as exc:
-            guilty = [r for r in records if r.slot in exc.slots]
-            if not guilty:  # it names no slot of this batch: treat it as unattributed
-                return self._bisect(records, pcm, exc, first)
-            for record in guilty:
-                self._fail_step(record, exc, first)
-                first = False
-            rest = [r for r in records if r not in guilty]
-            return self._step_isolating(rest, pcm) if rest else []
-        except Exception as exc:
-            return self._bisect(records, pcm, exc, first)
-        return [(r, out) for r in records]
-
-    def _bisect(
-        self, records: list[ScheduledSession], pcm: np.ndarray, exc: Exception, first: bool
-    ) -> list[tuple[ScheduledSession, StepOutput]]:
-        if len(records) == 1:
-            self._fail_step(records[0], exc, first)
-            return []
-        if first:
-            log.error(
-                "engine.step failed for a batch of %d: %s; isolating the failing slot(s)",
-                len(records),
-                exc,
-                exc_info=exc,
-            )
-        half = len(records) // 2
-        return self._step_isolating(records[:half], pcm) + self._step_isolating(records[half:], pcm)
-
-    def _fail_step(self, record: ScheduledSession, exc: BaseException, first: bool) -> None:
-        if first:
-            log.error("engine.step failed for slot %s: %s", record.slot, exc, exc_info=exc)
-        else:
-            log.error("engine.step failed for slot %s: %s", record.slot, exc)
-        self.metrics.engine_errors.inc(label="step")
-        self.metrics.slot_failures.inc()
-        self.abort(record, "engine_error", EngineError(f"the engine failed: {exc}"))
 
 
 @dataclass(frozen=True)
