@@ -202,3 +202,15 @@ def test_static_serves_another_client_build_at_the_root(tmp_path):
 
     with pytest.raises(UserError, match=r"no index\.html"):
         run_server(ServerSettings(engine="echo", static=tmp_path / "empty"))
+
+
+def test_the_http_guard_is_in_force_with_the_pinned_releases():
+    """The guard extends uvicorn's protocol classes: pyproject pins the releases it was tested
+    with, and outside them the server runs unguarded (with a warning) rather than broken."""
+    from personaplex_voice.process.http_guard import HttpLimits, protocol_classes, tested_versions
+
+    ok, installed = tested_versions()
+    assert ok, f"{installed}: not the pinned releases"
+    http_class, ws_class = protocol_classes(HttpLimits())
+    assert http_class.__name__ == "GuardedHttpToolsProtocol"
+    assert ws_class.__name__ == "AnsweringWebSocketProtocol"

@@ -129,7 +129,7 @@ def test_there_is_no_import_cycle():
         stack.append(node)
         for target in sorted(graph.get(node, ())):
             if seen.get(target) == 1:
-                cycle = stack[stack.index(target) :] + [target]
+                cycle = [*stack[stack.index(target) :], target]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if target not in seen:
                 visit(target)

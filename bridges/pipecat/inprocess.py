@@ -16,7 +16,8 @@ import numpy as np
 
 from personaplex_voice.engine.base import CapacityError, Engine, EngineError, Persona, PersonaError
 from personaplex_voice.errors import UserError
-from personaplex_voice.sessions import Session, SessionManager
+from personaplex_voice.session_api import CallSession, SessionHost
+from personaplex_voice.sessions import SessionManager
 
 from .backends import AgentFrame, BackendUnavailable, SessionLost, SessionRefused
 
@@ -24,7 +25,7 @@ log = logging.getLogger("personaplex_pipecat.inprocess")
 
 
 class InProcessSession:
-    def __init__(self, session: Session):
+    def __init__(self, session: CallSession):
         self._session = session
         self._closing = False
 
@@ -37,7 +38,7 @@ class InProcessSession:
         return self._session.closed
 
     @property
-    def session(self) -> Session:
+    def session(self) -> CallSession:
         return self._session
 
     def push(self, pcm: np.ndarray) -> None:
@@ -67,7 +68,7 @@ class InProcessBackend:
 
     def __init__(
         self,
-        manager: SessionManager | None = None,
+        manager: SessionHost | None = None,
         *,
         engine: Engine | None = None,
         model: str = "demo",
@@ -89,12 +90,13 @@ class InProcessBackend:
 
     @property
     def model_name(self) -> str:
-        engine = self._engine or getattr(self._manager, "engine", None)
-        name = getattr(engine, "name", None)
+        if self._manager is not None:
+            return self._manager.model_name
+        name = getattr(self._engine, "name", None)
         return str(name) if name else str(self._model)
 
     @property
-    def manager(self) -> SessionManager | None:
+    def manager(self) -> SessionHost | None:
         return self._manager
 
     async def prepare(self) -> None:

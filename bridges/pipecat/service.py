@@ -30,6 +30,7 @@ from loguru import logger
 
 from personaplex_voice.audio.resample import StreamingResampler
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Persona, Sampling
+from personaplex_voice.session_api import SessionHost
 from pipecat.audio.utils import create_stream_resampler
 from pipecat.frames.frames import (
     CancelFrame,
@@ -96,7 +97,7 @@ class PersonaPlexLLMService(LLMService):
     Pick where the model runs with exactly one of:
       `backend`: an `InProcessBackend` / `RemoteBackend` (share one across calls; you close it);
       `url` (+ `api_key`): a server's `ws[s]://host:port/api/chat`;
-      `manager`: a running `SessionManager` in this process;
+      `manager`: a session host in this process (a `SessionManager`, or the server's host);
       `model`: build the model in this process on first use (`"demo"`, a model dir, a hub id;
         `engine_options` go to `build_engine`, e.g. `device="cuda"`).
 
@@ -127,7 +128,7 @@ class PersonaPlexLLMService(LLMService):
         backend: Backend | None = None,
         url: str | None = None,
         api_key: str | None = None,
-        manager: Any = None,
+        manager: SessionHost | None = None,
         model: str | None = None,
         engine_options: dict[str, Any] | None = None,
         text_prompt: str = "",
@@ -462,7 +463,12 @@ class PersonaPlexLLMService(LLMService):
 
 
 def _backend_from(
-    *, url: str | None, api_key: str | None, manager: Any, model: str | None, options: dict[str, Any] | None
+    *,
+    url: str | None,
+    api_key: str | None,
+    manager: SessionHost | None,
+    model: str | None,
+    options: dict[str, Any] | None,
 ) -> Backend:
     if url is not None:
         from .remote import RemoteBackend

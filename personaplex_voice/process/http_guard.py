@@ -51,9 +51,43 @@ class HttpLimits:
         return self.max_request_line_bytes + self.max_header_bytes + 4 * self.max_headers + 64
 
 
+# The releases these classes were written and tested against (they extend uvicorn's own protocol
+# classes and raise a websockets module global): pyproject pins the same ranges. Outside them the
+# server still runs, unguarded, and says so.
+TESTED_UVICORN = ((0, 54), (0, 55))  # [from, to)
+TESTED_WEBSOCKETS = ((17, 0), (18, 0))
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = ([*text.split("."), "0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def tested_versions() -> tuple[bool, str]:
+    """(the installed uvicorn and websockets are the tested ones, what is installed)."""
+    import uvicorn
+    import websockets
+
+    found = (_version(uvicorn.__version__), _version(websockets.__version__))
+    ok = (
+        TESTED_UVICORN[0] <= found[0] < TESTED_UVICORN[1]
+        and TESTED_WEBSOCKETS[0] <= found[1] < TESTED_WEBSOCKETS[1]
+    )
+    return ok, f"uvicorn {uvicorn.__version__}, websockets {websockets.__version__}"
+
+
 def protocol_classes(limits: HttpLimits) -> tuple[Any, Any]:
-    """(http, ws) for `uvicorn.Config`: the guarded classes, or "auto" for a layer whose uvicorn
-    implementation is not the one these classes extend (then that layer runs unguarded)."""
+    """(http, ws) for `uvicorn.Config`: the guarded classes, or "auto" when the installed uvicorn
+    or websockets is not a tested release, or lacks the implementation these classes extend
+    (then that layer runs unguarded, and the log says so)."""
+    ok, installed = tested_versions()
+    if not ok:
+        log.warning(
+            "%s are not the releases the HTTP guard was tested with (pip install the versions "
+            "pyproject pins): request limits and timeouts are not enforced",
+            installed,
+        )
+        return "auto", "auto"
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
