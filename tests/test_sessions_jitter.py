@@ -1,8 +1,9 @@
-"""The realtime input jitter buffer: late input must not add latency for the rest of a call."""
+"""The realtime input jitter buffer: late input must not add latency for the rest of a call.
+
+Tick by tick here; over a whole call on fake time in test_scheduler_policies.py; for real in
+bench/session_jitter.py."""
 
 from __future__ import annotations
-
-import asyncio
 
 import numpy as np
 import pytest
@@ -85,58 +86,6 @@ def test_late_wait_shrinks_to_what_the_engine_leaves_of_the_frame():
     assert manager.scheduler.late_wait() == pytest.approx(0.012)
     manager.scheduler.recent_steps.append(0.090)  # the engine itself overruns: never wait for anyone
     assert manager.scheduler.late_wait() == 0.0
-
-
-async def test_a_stalled_client_does_not_keep_its_delay_for_the_rest_of_the_call():
-    """A client answering each echoed frame with its next one stalls for 4 frames, then sends
-    them in a burst. Without a jitter buffer the burst stays queued: every later echo is 4
-    frames late. With it the spare frames are dropped (slack at once, the rest after the settle
-    time) and the echo comes back to the frame just sent."""
-    engine = LoopbackEngine(num_slots=1, delay_frames=0)
-    manager = SessionManager(
-        engine, realtime=True, frame_period_s=0.04, late_wait_s=0.005, input_settle_s=0.4, idle_timeout_s=None
-    )
-    try:
-        session = await manager.open(Persona())
-        await asyncio.wait_for(session.ready(), 10)
-        frames = session.frames()
-
-        async def next_echo() -> int | None:
-            """Frame number of the next output frame echoing input (None for silence)."""
-            out = await asyncio.wait_for(frames.__anext__(), 5)
-            return frame_number(out.pcm) if np.any(out.pcm) else None
-
-        sent = 1  # frame 0 would be silence
-        session.push(frame_of(sent))
-        while await next_echo() is None:  # lead-in before the first frame
-            pass
-        for _ in range(5):  # lock step: each echo answered with the next frame
-            sent += 1
-            session.push(frame_of(sent))
-            await next_echo()
-        for _ in range(4):  # the stall: the ticks feed silence
-            await next_echo()
-        for _ in range(4):  # the stalled frames arrive at once, then lock step again
-            sent += 1
-            session.push(frame_of(sent))
-        lags = []
-        for _ in range(30):
-            sent += 1
-            session.push(frame_of(sent))
-            echoed = await next_echo()
-            if echoed is not None:
-                lags.append(sent - echoed)
-        assert session.stats["late_frames"] >= 4
-        assert lags[0] >= 2, lags  # right after the burst the spare frames are still queued
-        assert lags[-5:] == [0] * 5, lags  # and later the echo is on time again
-        dropped = session.stats["jitter_dropped_frames"]
-        assert dropped >= 4, session.stats
-        assert manager.metrics.jitter_dropped_frames.value == dropped
-        assert manager.metrics.jitter_dropped_frames.value == dropped
-        assert manager.metrics.dropped_input_samples.value == dropped * FRAME_SIZE
-        await session.close()
-    finally:
-        await manager.shutdown()
 
 
 async def test_non_realtime_mode_never_trims(tmp_path):
