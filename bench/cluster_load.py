@@ -254,7 +254,7 @@ def isolated_worker_cost(sessions: int, seconds: float) -> dict:
             await asyncio.sleep(max(0.0, t0 + k * 0.020 / 16 - time.monotonic()))
         cpu = cpu_seconds(worker.pid) - cpu0
         await asyncio.sleep(1.2)  # the worker's next metrics beat carries its input hop
-        status = client.cluster_status()
+        status = client.describe()
         out, into = status["frontend"]["output_hop"], status["workers"][0]["input_hop"] or {}
         result.update(
             sessions=sessions,

