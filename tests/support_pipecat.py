@@ -223,19 +223,17 @@ async def _feed(
 def aligned_logspec_correlation(
     out: np.ndarray, ref: np.ndarray, rate: int, max_lag_s: float = 1.5
 ) -> tuple[float, float]:
-    """(correlation, lag_s): Pearson correlation of the log-magnitude spectrograms of `out` and
-    `ref` after shifting `out` by the delay (0..max_lag_s) that best matches the waveforms."""
+    """(similarity, lag_s): how recognisably `out` echoes `ref` (support_server.echo_similarity:
+    log-spectrogram correlation per second, aligned per second, a busy machine's stalls costing
+    only the seconds they hit), and the delay (0..max_lag_s) that best matches the waveforms."""
     from scipy.signal import correlate
-    from support_server import log_spectrogram
+    from support_server import echo_similarity
 
     xc = correlate(out, ref, mode="full", method="fft")
     lags = np.arange(-len(ref) + 1, len(out))
     window = (lags >= 0) & (lags <= max_lag_s * rate)
     lag = int(lags[window][np.argmax(xc[window])])
-    a = out[lag : lag + len(ref)]
-    b = ref[: len(a)]
-    correlation = np.corrcoef(log_spectrogram(a, rate).ravel(), log_spectrogram(b, rate).ravel())[0, 1]
-    return float(correlation), lag / rate
+    return echo_similarity(ref, out, rate=rate), lag / rate
 
 
 def tone_fraction(x: np.ndarray, freq: float, rate: int, width_hz: float = 40.0) -> float:

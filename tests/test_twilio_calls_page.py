@@ -64,7 +64,7 @@ def test_calls_page_shows_a_live_transcript_and_plays_a_past_recording(tmp_path,
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(f"{server.url}/calls#token={API_TOKEN}")
-            page.wait_for_function("window.calls.polls > 0", timeout=15_000)
+            page.wait_for_function("window.calls.polls > 0", timeout=60_000)
             assert "token=" not in page.url  # the key left the address bar
 
             done = threading.Event()
@@ -72,10 +72,10 @@ def test_calls_page_shows_a_live_transcript_and_plays_a_past_recording(tmp_path,
                 target=run_call, args=(TwilioSimulator(server.url, AUTH_TOKEN), 5.0, done)
             )
             caller.start()
-            page.wait_for_selector("#live tbody tr", timeout=20_000)
+            page.wait_for_selector("#live tbody tr", timeout=60_000)
             page.click("#live tbody tr")
             # The echo engine's words come in while the call runs.
-            page.wait_for_function("window.calls.transcript.includes('echo engine.')", timeout=20_000)
+            page.wait_for_function("window.calls.transcript.includes('echo engine.')", timeout=60_000)
             assert not done.is_set(), "the call was over before its transcript showed"
             assert "Omar Torres" in (page.text_content("#detail-prompt") or "")
             live_text = page.inner_text("#transcript")
@@ -85,14 +85,14 @@ def test_calls_page_shows_a_live_transcript_and_plays_a_past_recording(tmp_path,
             page.screenshot(path=str(artifacts_dir / "calls_page_live.png"), full_page=True)
 
             assert done.wait(30)
-            page.wait_for_selector("#past tbody tr", timeout=20_000)
+            page.wait_for_selector("#past tbody tr", timeout=60_000)
             page.click("#past tbody tr")
-            page.wait_for_function("window.calls.audioReady === true", timeout=20_000)
+            page.wait_for_function("window.calls.audioReady === true", timeout=60_000)
             duration = page.evaluate("document.getElementById('player').duration")
             assert 4.0 <= duration <= 8.0, duration
             # play() resolves once playback has started (or rejects, failing here with why).
             page.evaluate("document.getElementById('player').play().then(() => true)")
-            page.wait_for_function("document.getElementById('player').currentTime > 0.5", timeout=30_000)
+            page.wait_for_function("document.getElementById('player').currentTime > 0.5", timeout=90_000)
             assert len(page.inner_text("#transcript")) > len(live_text)  # the whole call now
             page.screenshot(path=str(artifacts_dir / "calls_page.png"), full_page=True)
             assert not errors, errors
