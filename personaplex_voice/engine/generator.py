@@ -455,10 +455,7 @@ class PersonaPlexEngine:
             try:
                 self._graphed.warm(*self._idle_inputs())
             except GraphCaptureError as exc:
-                raise UserError(
-                    f"{exc}: refusing to run every tick eagerly (tens of ms of kernel launches per "
-                    "80 ms frame); fix the cause, or start with --no-cuda-graphs to run eagerly knowingly"
-                ) from exc
+                raise _capture_refused(exc) from exc
         plan = self.planner.plan(None, None, None, self.tokenizer.encode(wrap_system_prompt(WARMUP_PROMPT)))
         persona = Persona(text_prompt=WARMUP_PROMPT, sampling=Sampling(), seed=0)
         prepared = PreparedPersona(
@@ -543,9 +540,12 @@ class PersonaPlexEngine:
             pcm = np.nan_to_num(pcm, nan=0.0, posinf=1.0, neginf=-1.0)
         sampling = self.sampler.prepare_tick(active_np.tolist())
         if self._graphed is not None:
-            out, pcm_out = self._graphed(
-                torch.from_numpy(pcm).to(self.device), torch.from_numpy(active_np).to(self.device)
-            )
+            try:
+                out, pcm_out = self._graphed(
+                    torch.from_numpy(pcm).to(self.device), torch.from_numpy(active_np).to(self.device)
+                )
+            except GraphCaptureError as exc:  # no warmup() before: the first tick captured
+                raise _capture_refused(exc) from exc
         elif self._compact and not active_np.all():
             out, pcm_out = self._step_compacted(pcm, np.flatnonzero(active_np), sampling)
         else:
@@ -612,6 +612,14 @@ class PersonaPlexEngine:
         out = torch.zeros(self.num_slots, sub_out.shape[1], dtype=sub_out.dtype, device=self.device)
         pcm_out = torch.zeros(self.num_slots, FRAME_SIZE, device=self.device)
         return out.index_copy_(0, idx, sub_out), pcm_out.index_copy_(0, idx, sub_pcm)
+
+
+def _capture_refused(exc: GraphCaptureError) -> UserError:
+    """The one line a failed capture gives whoever asked for CUDA graphs."""
+    return UserError(
+        f"{exc}: refusing to run every tick eagerly (tens of ms of kernel launches per 80 ms "
+        "frame); fix the cause, or start with --no-cuda-graphs to run eagerly knowingly"
+    )
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,9 @@ class GraphBackend(Protocol):
 
     def new_graph(self) -> Any: ...
 
-    def capture(self, graph: Any, pool: Any, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
+    def capture(self, graph: Any, pool: Any, stream: Any, run: Callable[[], Any]) -> Any:
+        """Record `run()` into `graph` (on `stream`, allocating from `pool`); returns its outputs,
+        which every `graph.replay()` refreshes in place."""
 
     def reserved_bytes(self, device: torch.device) -> int: ...
 
@@ -80,9 +82,10 @@ class TorchCudaBackend:
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph: Any, pool: Any, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    def capture(self, graph: Any, pool: Any, stream: Any, run: Callable[[], Any]) -> Any:
         # thread_local: another thread (a voice being encoded for `prepare`) may use the GPU.
-        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            return run()
 
     def reserved_bytes(self, device: torch.device) -> int:
         return int(torch.cuda.memory_reserved(device))
@@ -178,8 +181,8 @@ class CUDAGraphed:
             backend.synchronize(device)
             self._pool = backend.new_pool()
             graph = backend.new_graph()
-            with backend.capture(graph, self._pool, stream):
-                outputs = self._fn(*self._inputs)
+            inputs = self._inputs
+            outputs = backend.capture(graph, self._pool, stream, lambda: self._fn(*inputs))
             backend.synchronize(device)
         except Exception as exc:  # a kernel that cannot be captured, out of memory, ...
             self._graph = self._outputs = self._pool = None
