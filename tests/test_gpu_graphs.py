@@ -44,8 +44,9 @@ class RecordingBackend:
     """A GraphBackend for a machine without a GPU: records what runs on which stream; `fail`
     makes the capture raise as a kernel that cannot be captured would."""
 
-    def __init__(self, fail: str | None = None):
+    def __init__(self, fail: str | None = None, failures: int = 1_000_000):
         self.fail = fail
+        self.failures = failures  # captures that fail before one succeeds
         self.current = "default"
         self.events: list[tuple[Any, ...]] = []
         self.streams = 0
@@ -74,7 +75,8 @@ class RecordingBackend:
         return FakeGraph()
 
     def capture(self, graph: FakeGraph, pool: Any, stream: FakeStream, run: Callable[[], Any]) -> Any:
-        if self.fail:
+        if self.fail and self.failures > 0:
+            self.failures -= 1
             raise RuntimeError(self.fail)
         with self.on_stream(stream):
             outputs = run()
@@ -137,6 +139,21 @@ def test_the_captured_tick_is_golden_exact(golden_dir) -> None:
         rows.append(engine.last_tokens[1].copy())
     np.testing.assert_array_equal(np.stack(rows), expected["pt_voice__tokens"][:20])
     assert sum(1 for e in backend.events if e[0] == "capture") == 1
+
+
+def test_a_capture_failing_with_pinned_attention_retries_with_torchs_choice(golden_dir) -> None:
+    """The measured SDPA winner may be a kernel that cannot be captured: warm-up drops the pins
+    and captures again, and says so; with nothing left to drop the failure is loud."""
+    files = golden_like_files(golden_dir)
+    backend = RecordingBackend(fail="cuDNN: operation not permitted when stream is capturing", failures=1)
+    engine = PersonaPlexEngine(files, num_slots=1, cuda_graphs=True, graph_backend=backend)
+    engine.lm.transformer.sdpa_decode = engine.lm.transformer.sdpa_prefill = ("math",)
+    engine.warmup()
+    assert engine.graph_info["captured"] and engine.lm.transformer.sdpa_decode is None
+    assert engine.tuning.report["sdpa_unpinned"]
+    engine = PersonaPlexEngine(files, num_slots=1, cuda_graphs=True, graph_backend=RecordingBackend("no", 1))
+    with pytest.raises(UserError, match="--no-cuda-graphs"):
+        engine.warmup()
 
 
 def test_no_cuda_graphs_is_an_engine_option_and_a_setting(monkeypatch) -> None:

@@ -41,7 +41,7 @@ from personaplex_voice.engine.base import (
     VoiceInfo,
 )
 from personaplex_voice.engine.gpu_tuning import GpuTuning
-from personaplex_voice.engine.graphs import CUDAGraphed, GraphBackend, GraphCaptureError
+from personaplex_voice.engine.graphs import CaptureInfo, CUDAGraphed, GraphBackend, GraphCaptureError
 from personaplex_voice.engine.prefill import ParallelPrefill, StepwisePrefill
 from personaplex_voice.engine.prompt_plan import PromptPlan, PromptPlanner
 from personaplex_voice.engine.prompts import TextTokenizer, wrap_system_prompt
@@ -237,7 +237,7 @@ class PersonaPlexEngine:
     def graph_info(self) -> dict[str, Any]:
         """Whether the tick runs as a captured CUDA graph, and what the capture took."""
         if self._graphed is None or not self._graphed.enabled:
-            return {"captured": False, "mode": "eager"}
+            return {"mode": "eager", **CaptureInfo().as_dict()}
         return {"mode": "cuda_graph", **self._graphed.info.as_dict()}
 
     # ---------------------------------------------------------------- personas
@@ -455,7 +455,14 @@ class PersonaPlexEngine:
             try:
                 self._graphed.warm(*self._idle_inputs())
             except GraphCaptureError as exc:
-                raise _capture_refused(exc) from exc
+                if not self.tuning.unpin(self.lm):
+                    raise _capture_refused(exc) from exc
+                # A pinned attention kernel may be what cannot be captured: torch's choice instead.
+                log.warning("%s with the pinned attention; trying torch's own choice", exc)
+                try:
+                    self._graphed.warm(*self._idle_inputs())
+                except GraphCaptureError as again:
+                    raise _capture_refused(again) from again
         plan = self.planner.plan(None, None, None, self.tokenizer.encode(wrap_system_prompt(WARMUP_PROMPT)))
         persona = Persona(text_prompt=WARMUP_PROMPT, sampling=Sampling(), seed=0)
         prepared = PreparedPersona(

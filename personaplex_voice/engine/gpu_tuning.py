@@ -57,6 +57,16 @@ class GpuTuning:
         self._pin(lm, state, device, prefill_chunk)
         return self.report
 
+    def unpin(self, lm: LMModel) -> bool:
+        """Drop the attention pins (a capture failed with them); False if there were none."""
+        transformer = lm.transformer
+        if transformer.sdpa_decode is None and transformer.sdpa_prefill is None:
+            return False
+        transformer.sdpa_decode = transformer.sdpa_prefill = None
+        self.report["sdpa_unpinned"] = "capture failed with the pinned backends"
+        self.report.update(sdpa_decode=None, sdpa_prefill=None)
+        return True
+
     def _fp8_decode(self, lm: LMModel, state: StreamState, device: torch.device) -> str:
         k0 = _layer_cache(state, "k")
         if k0.dtype.itemsize != 1:
@@ -92,20 +102,21 @@ class GpuTuning:
             return
         k0, v0 = _layer_cache(state, "k"), _layer_cache(state, "v")
         dtype = lm.dtype
-        if k0.dtype != dtype:  # an fp8 cache: SDPA reads the converted copy
-            k0, v0 = k0.to(dtype), v0.to(dtype)
         B, H, N, D = k0.shape
         gen = torch.Generator(device="cpu").manual_seed(0)
-        mask = torch.ones(B, 1, 1, N, dtype=torch.bool, device=device)
-        mask[..., 0] = False  # the ring's masked oldest entry
         phases: dict[str, Any] = {}
         if getattr(transformer.layers[0].self_attn, "fp8_decode", None) is None:
+            mask = torch.ones(B, 1, 1, N, dtype=torch.bool, device=device)
+            mask[..., 0] = False  # the ring's masked oldest entry
             q = torch.randn(B, H, 1, D, generator=gen).to(device, dtype)
-            phases["decode"] = time_backends(q, k0, v0, mask)
+            # an fp8 cache is read as its converted copy, one layer at a time, as the tick does
+            phases["decode"] = time_backends(q, k0.to(dtype), v0.to(dtype), mask)
+            del mask, q
+        k1, v1 = k0[:1].to(dtype), v0[:1].to(dtype)  # one slot's ring (a prefill)
         T = min(chunk, N)
         q = torch.randn(1, H, T, D, generator=gen).to(device, dtype)
         causal = torch.ones(1, 1, T, N, dtype=torch.bool, device=device).tril(diagonal=N - T)
-        phases["prefill"] = time_backends(q, k0[:1], v0[:1], causal)
+        phases["prefill"] = time_backends(q, k1, v1, causal)
         for phase, timing in phases.items():
             winner = timing.winner
             setattr(transformer, f"sdpa_{phase}", (winner,) if winner else None)
