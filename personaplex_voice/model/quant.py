@@ -197,7 +197,7 @@ def quantize_model_(model: nn.Module) -> None:
 
 
 def set_int8_matmul(model: nn.Module, mode: str) -> None:
-    """"auto" (fused `_int_mm` on CUDA where it checks out) or "dequant" for every int8 weight."""
+    """ "auto" (fused `_int_mm` on CUDA where it checks out) or "dequant" for every int8 weight."""
     if mode not in INT8_MATMUL_MODES:
         raise ValueError(f"int8 matmul must be one of {', '.join(INT8_MATMUL_MODES)}, got {mode!r}")
     for module in model.modules():
