@@ -271,3 +271,33 @@ def test_fp8_pcm_frames_stay_finite(files, golden_dir) -> None:
     engine.start(0, engine.prepare(persona("pt_voice")))
     out = engine.step(np.full((1, FRAME_SIZE), 0.9, np.float32), np.array([True]))
     assert np.isfinite(out.pcm).all()
+
+
+def test_fused_int8_matmul_agrees_with_dequantising() -> None:
+    """The CUDA path (`torch._int_mm`, int8 activations per row) computed on the CPU: within the
+    check's tolerance of dequantise-then-matmul at 1, 16 (padded to 17) and 64 rows."""
+    from personaplex_voice.model.quant import (
+        INT_MM_TOLERANCE,
+        Int8Weight,
+        dequant_linear,
+        int_mm_linear,
+        int_mm_usable,
+        set_int8_matmul,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    weight = Int8Weight.quantize(torch.randn(96, 128, generator=gen))
+    for rows in (1, 16, 64):
+        x = torch.randn(rows, 128, generator=gen)
+        fused, plain = int_mm_linear(x, weight.q, weight.scale), dequant_linear(x, weight.q, weight.scale)
+        assert fused.shape == plain.shape == (rows, 96)
+        assert float((fused - plain).abs().max() / plain.abs().max()) < INT_MM_TOLERANCE / 4
+    assert int_mm_usable(torch.device("cpu"))
+    model = torch.nn.Module()
+    model.w = weight
+    set_int8_matmul(model, "dequant")
+    assert not weight.fused and not weight.rows(0, 48).fused
+    set_int8_matmul(model, "auto")
+    assert weight.fused
+    with pytest.raises(ValueError):
+        set_int8_matmul(model, "fast")
