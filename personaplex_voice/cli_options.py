@@ -91,6 +91,14 @@ KvDtypeOpt = Annotated[
         "bfloat16: twice the calls in the same memory).",
     ),
 ]
+CudaGraphsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="On a GPU, run every tick as one captured CUDA graph (the default; a capture that "
+        "fails stops the start). --no-cuda-graphs runs eagerly: same output, far slower per tick.",
+    ),
+]
 ThreadsOpt = Annotated[
     int,
     typer.Option(

@@ -22,6 +22,7 @@ import typer
 from personaplex_voice.audio.io import read_audio, write_wav
 from personaplex_voice.cli_options import (
     DEFAULT_MODEL,
+    CudaGraphsOpt,
     DeviceOpt,
     DtypeOpt,
     KvDtype,
@@ -175,6 +176,7 @@ def offline(
     prefill: PrefillOpt = PrefillMode.parallel,
     quantize: QuantizeOpt = QuantizeMode.none,
     kv_dtype: KvDtypeOpt = KvDtype.auto,
+    cuda_graphs: CudaGraphsOpt = True,
     threads: ThreadsOpt = 0,
     moshi_weight: MoshiWeightOpt = None,
     mimi_weight: MimiWeightOpt = None,
@@ -202,7 +204,7 @@ def offline(
         num_slots=1,
         device=device,
         dtype=parse_dtype(dtype),
-        **engine_options(prefill, quantize, kv_dtype),
+        **engine_options(prefill, quantize, kv_dtype, cuda_graphs),
         **source_overrides(moshi_weight, mimi_weight, tokenizer, voice_dir),
     )
     configure_threads(threads, engine)

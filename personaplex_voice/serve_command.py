@@ -63,6 +63,14 @@ def serve(
             "(env PERSONAPLEX_KV_DTYPE; auto)"
         ),
     ] = None,
+    cuda_graphs: Annotated[
+        bool | None,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="GPU: every tick as one CUDA graph; a failed capture refuses readiness. "
+            "--no-cuda-graphs runs eagerly, knowingly (env PERSONAPLEX_CUDA_GRAPHS; on)",
+        ),
+    ] = None,
     max_sessions: Annotated[
         int | None,
         typer.Option(help="Concurrent conversations = batch slots (env PERSONAPLEX_MAX_SESSIONS; 4)"),

@@ -51,8 +51,10 @@ def test_slot_draws_do_not_depend_on_neighbours():
         logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
         out = []
         for _ in range(20):
-            sampling = sampler.draw_noise([True, True])
+            sampling = sampler.prepare_tick([True, True])
+            sampler.draw()
             out.append(int(sampler.audio(logits, 1, sampling)[0]))
+            sampler.advance(None)
         return out
 
     assert draws(3) == draws(60)
@@ -63,10 +65,10 @@ def test_graph_mode_updates_sampling_constants_in_place():
     sampler = SlotSampler(2, text_card=40, card=64, dep_q=2, device=torch.device("cpu"))
     sampler.always_full = True
     sampler.configure(0, Sampling(greedy=True), seed=1)
-    sampler.draw_noise([True, True])
+    sampler.prepare_tick([True, True])
     buffers = sampler._derived
     sampler.configure(1, Sampling(audio_topk=3, audio_temperature=0.5), seed=2)
-    sampler.draw_noise([True, True])
+    sampler.prepare_tick([True, True])
     assert all(a is b for a, b in zip(sampler._derived, buffers, strict=True))
     _, _, _, audio_best, audio_t, audio_keep = buffers
     assert audio_best.tolist() == [True, False] and float(audio_t[1]) == 0.5

@@ -28,3 +28,24 @@ def test_plan_sizes_are_the_7b_tensors() -> None:
     assert fp8.per_call < 0.6 * plan.per_call
     assert plan.calls(139.8) > plan.calls(79.2) > plan.calls(22.0) >= 1
     assert 15.5 * GIB < plan.weights < 16.5 * GIB  # 8.4 B bfloat16 LM parameters + Mimi
+
+
+def test_traffic_per_tick_is_computed_and_printed_beside_the_old_figure() -> None:
+    """docs/engine.md's traffic table is the code's; fp8 read directly moves half of bfloat16's
+    KV bytes, where the converting read moved 2.5x; fused int8 reads a fifth of dequantising."""
+    from personaplex_voice.model.sizes import tick_traffic, traffic_table
+
+    table = traffic_table()
+    assert table in (ROOT / "docs" / "engine.md").read_text(encoding="utf-8")
+    assert "| 64 |" in table and "| 128 |" in table and "before (GB)" in table
+    cfg = ModelConfig.personaplex_7b()
+    bf16 = tick_traffic(cfg, 64)
+    lm = cfg.lm
+    assert bf16.kv == 64 * 2 * lm.num_layers * lm.context * lm.dim * 2
+    assert bf16.kv_old == bf16.kv and bf16.weights_old == bf16.weights
+    fp8 = tick_traffic(cfg, 64, kv_dtype=torch.float8_e4m3fn)
+    assert fp8.kv * 2 == bf16.kv and fp8.kv_old == 5 * fp8.kv
+    int8 = tick_traffic(cfg, 64, quantize="int8")
+    assert int8.weights < 0.55 * bf16.weights and int8.weights_old > 2 * int8.weights
+    assert tick_traffic(cfg, 128).kv == 2 * bf16.kv
+    assert 20 < bf16.floor_ms() < 40  # 117 GB at 4.3 TB/s

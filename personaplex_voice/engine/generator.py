@@ -40,7 +40,8 @@ from personaplex_voice.engine.base import (
     StepOutput,
     VoiceInfo,
 )
-from personaplex_voice.engine.graphs import CUDAGraphed
+from personaplex_voice.engine.gpu_tuning import GpuTuning
+from personaplex_voice.engine.graphs import CaptureInfo, CUDAGraphed, GraphBackend, GraphCaptureError
 from personaplex_voice.engine.prefill import ParallelPrefill, StepwisePrefill
 from personaplex_voice.engine.prompt_plan import PromptPlan, PromptPlanner
 from personaplex_voice.engine.prompts import TextTokenizer, wrap_system_prompt
@@ -111,7 +112,12 @@ class PersonaPlexEngine:
     depformer logits in `last_text_logits` / `last_audio_logits` (tests); `cuda_graphs` replays
     the batched step as a CUDA graph (None = on CUDA, unless `compile`); `compile` wraps the LM
     step with torch.compile; `models` = (mimi, lm) reuses loaded modules instead of loading;
-    `prefill_chunk` / `prefill_chunk_steps`: the size of one `begin_start` chunk.
+    `prefill_chunk` / `prefill_chunk_steps`: the size of one `begin_start` chunk (the last chunk
+    of a parallel prefill is padded to it, so its shape never changes); `graph_backend`: what
+    captures the graph (tests inject fakes; with one given, `cuda_graphs` runs on any device);
+    `attention`: the SDPA backends on a GPU, "auto" (measured and pinned at warm-up), "default"
+    (torch's choice) or a backend name; `kv_read`: an fp8 cache read by the Triton kernel where
+    it runs ("auto") or always converted ("convert"). See docs/engine.md.
     """
 
     sample_rate = SAMPLE_RATE
@@ -134,6 +140,9 @@ class PersonaPlexEngine:
         models: tuple[Mimi, LMModel] | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_chunk_steps: int = PREFILL_CHUNK_STEPS,
+        graph_backend: GraphBackend | None = None,
+        attention: str = "auto",
+        kv_read: str = "auto",
     ):
         if num_slots < 1:
             raise UserError(f"num_slots must be at least 1, got {num_slots}")
@@ -149,6 +158,7 @@ class PersonaPlexEngine:
         self.prefill_chunk_steps = prefill_chunk_steps
         self.keep_prompt = keep_prompt
         self.capture_logits = capture_logits
+        self.tuning = GpuTuning(attention=attention, kv_read=kv_read)
         if self.cfg.frame_size != FRAME_SIZE or self.cfg.sample_rate != SAMPLE_RATE:
             raise ValueError("the engine runs 24 kHz audio in 80 ms frames")
 
@@ -195,12 +205,17 @@ class PersonaPlexEngine:
         else:
             self._lm_forward = self.lm.forward_embeddings
         self._graphed: CUDAGraphed | None = None
+        self._graph_backend = graph_backend
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and not compile
+        self.cuda_graphs = bool(cuda_graphs)
         if cuda_graphs:
-            if self.device.type != "cuda":
+            if self.device.type != "cuda" and graph_backend is None:
                 raise UserError("cuda_graphs needs a CUDA device")
             self.use_static_tick(cuda_graph=True)
+        # The GPU stream voices are encoded on (`prepare`, another thread): never the tick's.
+        self._voice_stream: Any = None
+        self.last_prefill_chunk_ms: list[float] = []  # of the last prompt run (benchmarks)
 
     def use_static_tick(self, cuda_graph: bool) -> None:
         """Run every tick from static buffers with the sampling math always on (what a CUDA
@@ -215,7 +230,15 @@ class PersonaPlexEngine:
             lambda pcm, active: self._step_tensors(self._full, pcm, active, True),
             idle_args=idle,
             enabled=cuda_graph,
+            backend=self._graph_backend,
         )
+
+    @property
+    def graph_info(self) -> dict[str, Any]:
+        """Whether the tick runs as a captured CUDA graph, and what the capture took."""
+        if self._graphed is None or not self._graphed.enabled:
+            return {"mode": "eager", **CaptureInfo().as_dict()}
+        return {"mode": "cuda_graph", **self._graphed.info.as_dict()}
 
     # ---------------------------------------------------------------- personas
 
@@ -266,8 +289,17 @@ class PersonaPlexEngine:
         )
 
     def encode_audio(self, pcm: np.ndarray) -> torch.Tensor:
-        """Streaming Mimi codes [frames, num_codebooks] of 24 kHz audio (last frame zero-padded)."""
-        return encode_audio(self.mimi, pcm)
+        """Streaming Mimi codes [frames, num_codebooks] of 24 kHz audio (last frame zero-padded).
+
+        Runs from `prepare`'s thread: on a GPU on a stream of its own (torch's streams do not
+        wait for the default one), so the ticks never queue behind a voice's kernels.
+        """
+        if self.device.type != "cuda":
+            return encode_audio(self.mimi, pcm)
+        if self._voice_stream is None:
+            self._voice_stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(self._voice_stream):
+            return encode_audio(self.mimi, pcm)  # ends with a copy to the host: synchronised
 
     def make_voice(self, audio_24k: np.ndarray, normalized: bool = False) -> dict[str, torch.Tensor]:
         """The published `.pt` voice of an audio prompt (see `voice_maker.make_voice`)."""
@@ -301,24 +333,47 @@ class PersonaPlexEngine:
         self._reset_slot(slot)
         if self.keep_prompt:
             self.lm_state["transformer:pin"][slot] = plan.model_runs
+        job: ParallelPrefill | StepwisePrefill
         if self.prefill == "parallel":
 
-            def run_positions(inputs: torch.Tensor) -> None:
+            def run_positions(inputs: torch.Tensor, real: int) -> None:
                 ctx = StepContext({k: v[slot : slot + 1] for k, v in self.lm_state.items()})
-                self.lm.transformer(inputs[None], ctx)
+                self.lm.transformer(inputs[None], ctx, real=real)
 
             def finish_parallel() -> None:
                 self.ring.load(slot, plan.final)
                 self._finish_start(slot, prepared)
 
-            return ParallelPrefill(
-                self._prompt_inputs(plan), run_positions, finish_parallel, self.prefill_chunk
+            # One chunk shape for every prompt (the last chunk padded), at most the ring.
+            chunk = min(self.prefill_chunk, self.lm.transformer.context)
+            job = ParallelPrefill(
+                self._prompt_inputs(plan), run_positions, finish_parallel, chunk, sync=self._sync
             )
-        return StepwisePrefill(
-            plan.steps,
-            lambda i: self._prompt_step(slot, plan, i),
-            lambda: self._finish_start(slot, prepared),
-            self.prefill_chunk_steps,
+        else:
+            view = self._slot_view(slot)
+            job = StepwisePrefill(
+                plan.steps,
+                lambda i: self._prompt_step(view, slot, plan, i),
+                lambda: self._finish_start(slot, prepared),
+                self.prefill_chunk_steps,
+                sync=self._sync,
+            )
+        self.last_prefill_chunk_ms = job.chunk_ms
+        return job
+
+    def _sync(self) -> None:
+        """Wait for the device (prefill chunks: their measured time is then their real cost)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _slot_view(self, slot: int) -> _Tick:
+        """One slot's state as a batch of one (views: writes land in the engine's state)."""
+        return _Tick(
+            {k: v[slot : slot + 1] for k, v in self.lm_state.items()},
+            {k: v[slot : slot + 1] for k, v in self.mimi_state.items()},
+            self.ring.view(slot),
+            self.sampler.view(slot),
+            None,
         )
 
     def _finish_start(self, slot: int, prepared: PreparedPersona) -> None:
@@ -335,15 +390,13 @@ class PersonaPlexEngine:
             parts.append(self.lm.embed_codes(tokens)[0])
         return torch.cat(parts) if parts else None
 
-    def _prompt_step(self, slot: int, plan: PromptPlan, i: int) -> None:
-        """Step `i` of the prompt, replayed through the same code path as `step` (stepwise)."""
-        B = self.num_slots
-        active = torch.zeros(B, dtype=torch.bool, device=self.device)
-        active[slot] = True
-        given = active[:, None].expand(B, self.K)
+    def _prompt_step(self, view: _Tick, slot: int, plan: PromptPlan, i: int) -> None:
+        """Step `i` of the prompt, replayed through the same code path as `step` (stepwise), on
+        the slot's own batch-1 view: the other slots cost nothing. Every token is forced, so
+        nothing is sampled."""
         row = plan.step_values[i].to(self.device)
-        self.ring.write_given(row[None].expand(B, self.K), given, active)
-        if int(self.ring.offset[slot]) == 0:
+        view.ring.write_given(row[None], torch.ones(1, self.K, dtype=torch.bool, device=self.device), None)
+        if i == 0:  # the slot was reset by begin_start: its first step only writes tokens
             self.ring.first_step(slot)
             return
         n_replay = plan.replay_steps
@@ -351,10 +404,8 @@ class PersonaPlexEngine:
         override = None
         if replaying:
             assert plan.replay is not None
-            override = torch.zeros(B, self.cfg.lm.dim, device=self.device, dtype=self.dtype)
-            override[slot] = plan.replay[i - 1].to(self.device, self.dtype)
-        sampling = self.sampler.draw_noise([b == slot for b in range(B)])
-        self._lm_step(self._full, active, sampling, override)
+            override = plan.replay[i - 1 : i].to(self.device, self.dtype)
+        self._lm_step(view, None, False, override)
         if replaying and i == n_replay:
             assert plan.after_replay is not None
             self.ring.cache[slot] = plan.after_replay.to(self.device)
@@ -399,8 +450,19 @@ class PersonaPlexEngine:
         first sampling, then greedy (the two tick paths).
         """
         started = time.perf_counter()
+        self.tuning.apply(self.lm, self.lm_state, self.prefill_chunk)  # GPU: what runs, measured
         if self._graphed is not None:  # capture first, before any slot runs
-            self._graphed.warm(*self._idle_inputs())
+            try:
+                self._graphed.warm(*self._idle_inputs())
+            except GraphCaptureError as exc:
+                if not self.tuning.unpin(self.lm):
+                    raise _capture_refused(exc) from exc
+                # A pinned attention kernel may be what cannot be captured: torch's choice instead.
+                log.warning("%s with the pinned attention; trying torch's own choice", exc)
+                try:
+                    self._graphed.warm(*self._idle_inputs())
+                except GraphCaptureError as again:
+                    raise _capture_refused(again) from again
         plan = self.planner.plan(None, None, None, self.tokenizer.encode(wrap_system_prompt(WARMUP_PROMPT)))
         persona = Persona(text_prompt=WARMUP_PROMPT, sampling=Sampling(), seed=0)
         prepared = PreparedPersona(
@@ -438,15 +500,17 @@ class PersonaPlexEngine:
         """Model run on the ring's current column for every slot; returns the output rows.
 
         No host synchronisation and no data-dependent Python branches: CUDA graphs capture it.
-        `sampling` False skips the sampling math (every active slot greedy); the noise of sampling
-        slots must have been drawn (`sampler.draw_noise`) before.
+        `sampling` False skips the sampling math (every active slot greedy); `sampler.prepare_tick`
+        must have run before (host-side widths and constants; the noise is drawn here).
         """
         inp, target, provided = tick.ring.model_io()
         emb = self.lm.embed_codes(inp[:, :, None])
-        if override is not None and active is not None:
-            emb = torch.where(active[:, None, None], override[:, None].to(emb.dtype), emb)
+        if override is not None:  # replayed voice embeddings (a batch-1 prompt step)
+            emb = override[:, None].to(emb.dtype)
         hidden, text_logits = self._lm_forward(emb, StepContext(tick.lm_state, active))
         text_logits = text_logits[:, 0].float()
+        if sampling:
+            tick.sampler.draw()  # this tick's noise, every slot at once
         text = tick.sampler.text(text_logits, sampling)
         next_text = torch.where(provided[:, 0], target[:, 0], text)
         dq = self.dep_q
@@ -460,6 +524,7 @@ class PersonaPlexEngine:
         )
         if self.capture_logits:
             self._text_logits_dev = text_logits
+        tick.sampler.advance(active)
         return tick.ring.commit(text, audio, provided, active)
 
     def _publish_logits(self) -> None:
@@ -480,11 +545,14 @@ class PersonaPlexEngine:
         pcm = np.ascontiguousarray(pcm, dtype=np.float32).reshape(B, FRAME_SIZE)
         if not np.isfinite(pcm).all():  # a bad client must not poison its slot's state with NaN
             pcm = np.nan_to_num(pcm, nan=0.0, posinf=1.0, neginf=-1.0)
-        sampling = self.sampler.draw_noise(active_np.tolist())
+        sampling = self.sampler.prepare_tick(active_np.tolist())
         if self._graphed is not None:
-            out, pcm_out = self._graphed(
-                torch.from_numpy(pcm).to(self.device), torch.from_numpy(active_np).to(self.device)
-            )
+            try:
+                out, pcm_out = self._graphed(
+                    torch.from_numpy(pcm).to(self.device), torch.from_numpy(active_np).to(self.device)
+                )
+            except GraphCaptureError as exc:  # no warmup() before: the first tick captured
+                raise _capture_refused(exc) from exc
         elif self._compact and not active_np.all():
             out, pcm_out = self._step_compacted(pcm, np.flatnonzero(active_np), sampling)
         else:
@@ -541,6 +609,7 @@ class PersonaPlexEngine:
         for key, value in full.mimi_state.items():
             _store_rows(value, idx, tick.mimi_state[key])
         full.ring.store(idx, tick.ring)
+        full.sampler.store(idx, tick.sampler)
         if self.capture_logits:
             assert full.audio_logits is not None and tick.audio_logits is not None
             assert self._text_logits_dev is not None
@@ -550,6 +619,14 @@ class PersonaPlexEngine:
         out = torch.zeros(self.num_slots, sub_out.shape[1], dtype=sub_out.dtype, device=self.device)
         pcm_out = torch.zeros(self.num_slots, FRAME_SIZE, device=self.device)
         return out.index_copy_(0, idx, sub_out), pcm_out.index_copy_(0, idx, sub_pcm)
+
+
+def _capture_refused(exc: GraphCaptureError) -> UserError:
+    """The one line a failed capture gives whoever asked for CUDA graphs."""
+    return UserError(
+        f"{exc}: refusing to run every tick eagerly (tens of ms of kernel launches per 80 ms "
+        "frame); fix the cause, or start with --no-cuda-graphs to run eagerly knowingly"
+    )
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:

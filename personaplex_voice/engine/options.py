@@ -59,8 +59,10 @@ def parse_kv_dtype(name: str | None) -> Any:
     return table[name]
 
 
-def engine_options(prefill: str | Enum, quantize: str | Enum, kv_dtype: str | Enum) -> dict[str, Any]:
-    """`--prefill`, `--quantize` and `--kv-dtype` as `build_engine` keywords."""
+def engine_options(
+    prefill: str | Enum, quantize: str | Enum, kv_dtype: str | Enum, cuda_graphs: bool = True
+) -> dict[str, Any]:
+    """`--prefill`, `--quantize`, `--kv-dtype` and `--no-cuda-graphs` as `build_engine` keywords."""
 
     def value(option: str | Enum) -> str:
         return str(option.value if isinstance(option, Enum) else option)
@@ -69,6 +71,8 @@ def engine_options(prefill: str | Enum, quantize: str | Enum, kv_dtype: str | En
         "prefill": value(prefill),
         "quantize": None if value(quantize) == "none" else value(quantize),
         "kv_dtype": parse_kv_dtype(value(kv_dtype)),
+        # None: the engine's default (graphs on CUDA); False: eager, asked for.
+        "cuda_graphs": None if cuda_graphs else False,
     }
 
 

@@ -1,14 +1,17 @@
 """Per-slot token sampling with static shapes.
 
-Every slot has its own temperature / top-k / greedy settings (as tensors) and its own
-`torch.Generator`. Sampling follows the published algorithm: softmax(logits / T), keep the top k,
-then draw with the exponential race (argmax of p / Exp(1) noise); greedy = argmax of the logits.
+Every slot has its own temperature / top-k / greedy settings (as tensors) and its own random
+stream. Sampling follows the published algorithm: softmax(logits / T), keep the top k, then draw
+with the exponential race (argmax of p / Exp(1) noise); greedy = argmax of the logits.
 Temperature 0 is greedy, as published.
 
-The noise is drawn per slot before the step (`draw_noise`), outside the batched computation: a
-slot draws exactly its own top-k values per stream from its own generator, so its draws depend
-only on its seed and step count, never on its neighbours, and the batched math itself has no
-data-dependent control flow (CUDA-graph friendly).
+The noise is counter-based: value i of stream s (0 = text, 1 + codebook = audio) at a slot's
+sampled step n is a hash of (the slot's seed, n, s, i), turned into Exp(1). So every slot's noise
+is computed for all slots at once, in a fixed handful of tensor operations per tick (inside the
+CUDA graph, no host work), and a slot's draws still depend only on its seed and its own step
+count, never on its neighbours or on how many candidates are computed. The hash is murmur3's
+32-bit finaliser on integers kept below 2**32 in int64 tensors (32-bit products split in 16-bit
+halves, so nothing overflows int64 on any device).
 """
 
 from __future__ import annotations
@@ -18,6 +21,60 @@ import copy
 import torch
 
 from personaplex_voice.engine.base import Sampling
+
+MASK32 = 0xFFFFFFFF
+# Per-slot tensors: a subset or view of the sampler carries these.
+_PER_SLOT = ("text_temperature", "text_topk", "audio_temperature", "audio_topk", "greedy", "key", "step")
+_MIX1 = 0x85EBCA6B
+_MIX2 = 0xC2B2AE35
+_SEED_SALT = 0x9E3779B9
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for x in [0, 2**32) without an int64 overflow."""
+    low = x & 0xFFFF
+    high = x >> 16
+    return (low * constant + ((high * constant) & 0xFFFF) * 65536) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, _MIX2)
+    return x ^ (x >> 16)
+
+
+def mix32_int(x: int) -> int:
+    """The same finaliser on a Python int (host-side keys)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _MIX1) & MASK32
+    x ^= x >> 13
+    x = (x * _MIX2) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A slot's 32-bit key from a seed of up to 64 bits."""
+    seed &= (1 << 64) - 1
+    return mix32_int((seed & MASK32) ^ mix32_int((seed >> 32) ^ _SEED_SALT))
+
+
+def exponential_noise(
+    key: torch.Tensor, step: torch.Tensor, streams: torch.Tensor, n_streams: int, index_hash: torch.Tensor
+) -> torch.Tensor:
+    """Exp(1) noise [B, S, W]: slot b's values for each of `streams` [S] at its step `step[b]`.
+
+    key, step: int64 [B]; n_streams: how many streams a step has; index_hash: int64 [W], `mix32`
+    of the candidate ranks (fixed per width). One batched computation for every slot.
+    """
+    counter = (step[:, None] * n_streams + streams[None, :]) & MASK32  # [B, S]
+    base = mix32(key[:, None] ^ mix32(counter))
+    bits = mix32(base[:, :, None] ^ index_hash[None, None, :])
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)  # (0, 1), 24 bits
+    return -torch.log(uniform)
 
 
 def _draw(
@@ -64,14 +121,18 @@ class SlotSampler:
     def __init__(self, num_slots: int, text_card: int, card: int, dep_q: int, device: torch.device):
         self.num_slots = num_slots
         self.device = device
+        self.text_card = text_card
+        self.card = card
+        self.streams = 1 + dep_q  # the text stream, then one per depformer codebook
         self.text_temperature = torch.full((num_slots,), 0.7, device=device)
         self.text_topk = torch.full((num_slots,), 25, dtype=torch.long, device=device)
         self.audio_temperature = torch.full((num_slots,), 0.8, device=device)
         self.audio_topk = torch.full((num_slots,), 250, dtype=torch.long, device=device)
         self.greedy = torch.ones(num_slots, dtype=torch.bool, device=device)
-        self.text_noise = torch.ones(num_slots, text_card, device=device)
-        self.audio_noise = torch.ones(num_slots, dep_q, card, device=device)
-        self.generators = [torch.Generator(device=device) for _ in range(num_slots)]
+        # The random stream of each slot: its seed's key and the steps it has been stepped since
+        # `configure` (advanced inside the tick for active slots).
+        self.key = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.step = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.sampling_slots: set[int] = set()  # host-side: slots that draw random numbers
         self._k_text = [1] * num_slots  # host-side copies of the top-k settings
         self._k_audio = [1] * num_slots
@@ -81,19 +142,35 @@ class SlotSampler:
         self._version = 0  # bumped by every settings change
         self._derived_key: tuple[int, int, int] | None = None
         self._derived: tuple[torch.Tensor, ...] = ()
+        self._index_hash: dict[int, torch.Tensor] = {}
+        self._stream_ids = torch.arange(self.streams, dtype=torch.long, device=device)
+        self._text_noise: torch.Tensor | None = None  # this tick's draws (`draw`)
+        self._audio_noise: torch.Tensor | None = None
 
     def subset(self, index: torch.Tensor) -> SlotSampler:
-        """Settings and drawn noise of the slots `index` (for a compacted tick; no generators)."""
+        """Settings and random streams of the slots `index` (a compacted tick; `store` writes the
+        steps back)."""
         sub = copy.copy(self)
         sub.num_slots = int(index.shape[0])
-        for name in ("text_temperature", "text_topk", "audio_temperature", "audio_topk", "greedy"):
+        for name in _PER_SLOT:
             setattr(sub, name, getattr(self, name).index_select(0, index))
-        sub.text_noise = self.text_noise.index_select(0, index)
-        sub.audio_noise = self.audio_noise.index_select(0, index)
-        sub.generators = []
         sub._derived_key = None
         sub._derived = ()
         return sub
+
+    def view(self, slot: int) -> SlotSampler:
+        """Slot `slot` alone, as views of this sampler's tensors (its batch-1 prompt steps)."""
+        sub = copy.copy(self)
+        sub.num_slots = 1
+        for name in _PER_SLOT:
+            setattr(sub, name, getattr(self, name)[slot : slot + 1])
+        sub._derived_key = None
+        sub._derived = ()
+        return sub
+
+    def store(self, index: torch.Tensor, sub: SlotSampler) -> None:
+        """Write a subset's random-stream steps back."""
+        self.step.index_copy_(0, index, sub.step)
 
     def configure(self, slot: int, sampling: Sampling, seed: int) -> None:
         self.text_temperature[slot] = sampling.text_temperature
@@ -101,9 +178,10 @@ class SlotSampler:
         self.audio_temperature[slot] = sampling.audio_temperature
         self.audio_topk[slot] = sampling.audio_topk
         self.greedy[slot] = sampling.greedy
-        self.generators[slot].manual_seed(seed)
-        self._k_text[slot] = min(sampling.text_topk, self.text_noise.shape[-1])
-        self._k_audio[slot] = min(sampling.audio_topk, self.audio_noise.shape[-1])
+        self.key[slot] = seed_key(seed)
+        self.step[slot] = 0
+        self._k_text[slot] = min(sampling.text_topk, self.text_card)
+        self._k_audio[slot] = min(sampling.audio_topk, self.card)
         if sampling.greedy:
             self.sampling_slots.discard(slot)
         else:
@@ -115,22 +193,45 @@ class SlotSampler:
         self.greedy[slot] = True
         self._version += 1
 
-    def draw_noise(self, active: list[bool]) -> bool:
-        """Fill the noise of active sampling slots; True when any slot samples this step."""
+    def prepare_tick(self, active: list[bool]) -> bool:
+        """Before a tick: the candidate widths, and True when any active slot samples (host-side
+        only: the noise itself is computed inside the tick)."""
         drawing = [s for s in sorted(self.sampling_slots) if active[s]]
-        for slot in drawing:
-            gen = self.generators[slot]
-            self.text_noise[slot, : self._k_text[slot]].exponential_(1.0, generator=gen)
-            self.audio_noise[slot, :, : self._k_audio[slot]].exponential_(1.0, generator=gen)
         if self.always_full:
-            self.text_width, self.audio_width = self.text_noise.shape[-1], self.audio_noise.shape[-1]
+            self.text_width, self.audio_width = self.text_card, self.card
         elif drawing:
             self.text_width = max(self._k_text[s] for s in drawing)
             self.audio_width = max(self._k_audio[s] for s in drawing)
         sampling = bool(drawing) or self.always_full
         if sampling:
             self._constants()  # refresh outside any graph replay
+            self._hash_of(self.text_width)
+            self._hash_of(self.audio_width)
         return sampling
+
+    def advance(self, active: torch.Tensor | None) -> None:
+        """One step taken by the active slots (inside the tick, in place); this tick's noise is
+        spent."""
+        self._text_noise = self._audio_noise = None
+        if active is None:
+            self.step += 1
+        else:
+            self.step += active.to(torch.long)
+
+    def _hash_of(self, width: int) -> torch.Tensor:
+        table = self._index_hash.get(width)
+        if table is None:
+            table = mix32(torch.arange(width, dtype=torch.long, device=self.device))
+            self._index_hash[width] = table
+        return table
+
+    def draw(self) -> None:
+        """This tick's noise for every slot: the text stream [B, text_width] and the audio
+        streams [B, dep_q, audio_width], two batched computations (inside the tick)."""
+        ids = self._stream_ids
+        text = exponential_noise(self.key, self.step, ids[:1], self.streams, self._hash_of(self.text_width))
+        audio = exponential_noise(self.key, self.step, ids[1:], self.streams, self._hash_of(self.audio_width))
+        self._text_noise, self._audio_noise = text[:, 0], audio
 
     def _constants(self) -> tuple[torch.Tensor, ...]:
         """Guards and top-k masks, rebuilt only when settings or widths change (not per call)."""
@@ -162,11 +263,15 @@ class SlotSampler:
         if not sampling:
             return best
         pick, safe_t, keep, _, _, _ = self._constants()
-        return _draw(logits, best, safe_t, keep, pick, self.text_noise, self.text_width)
+        if self._text_noise is None:
+            self.draw()
+        assert self._text_noise is not None
+        return _draw(logits, best, safe_t, keep, pick, self._text_noise, self.text_width)
 
     def audio(self, logits: torch.Tensor, codebook: int, sampling: bool) -> torch.Tensor:
         best = logits.argmax(dim=-1)
         if not sampling:
             return best
         _, _, _, pick, safe_t, keep = self._constants()
-        return _draw(logits, best, safe_t, keep, pick, self.audio_noise[:, codebook], self.audio_width)
+        assert self._audio_noise is not None, "draw() before audio()"
+        return _draw(logits, best, safe_t, keep, pick, self._audio_noise[:, codebook], self.audio_width)

@@ -79,6 +79,15 @@ class TokenRing:
         sub.offset = self.offset.index_select(0, index)
         return sub
 
+    def view(self, slot: int) -> TokenRing:
+        """Slot `slot` alone, as views of this ring (writes land here): its batch-1 prompt steps."""
+        sub = copy.copy(self)
+        sub.num_slots = 1
+        sub.cache = self.cache[slot : slot + 1]
+        sub.provided = self.provided[slot : slot + 1]
+        sub.offset = self.offset[slot : slot + 1]
+        return sub
+
     def store(self, index: torch.Tensor, sub: TokenRing) -> None:
         """Write a subset's slots back."""
         self.cache.index_copy_(0, index, sub.cache)
@@ -101,8 +110,8 @@ class TokenRing:
         _put(self.provided, off.expand_as(values) % self.C, torch.ones_like(early), early)
 
     def first_step(self, slot: int) -> None:
-        """Finish a slot's offset-0 step: column 0 = initial tokens, no model run."""
-        assert int(self.offset[slot]) == 0
+        """Finish a slot's offset-0 step (its offset must be 0): column 0 = initial tokens, no
+        model run."""
         self.cache[slot, :, 0] = self.initial
         self.offset[slot] = 1
 

@@ -17,9 +17,14 @@ from personaplex_voice.model.lm import LMModel
 from personaplex_voice.model.mimi import Mimi
 from personaplex_voice.model.streaming import StepContext
 
+# Frames Mimi-encodes per call: streaming state carries across calls, so the codes are the
+# frame-by-frame ones (checked against the golden codes), with a few dozen calls per minute of
+# audio instead of one per 80 ms frame.
+ENCODE_CHUNK_FRAMES = 32
+
 
 @torch.no_grad()
-def encode_audio(mimi: Mimi, pcm: np.ndarray) -> torch.Tensor:
+def encode_audio(mimi: Mimi, pcm: np.ndarray, chunk_frames: int = ENCODE_CHUNK_FRAMES) -> torch.Tensor:
     """Streaming Mimi codes [frames, num_codebooks] (CPU) of 24 kHz audio (last frame zero-padded)."""
     pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
     frames = max(1, -(-pcm.size // FRAME_SIZE))
@@ -27,9 +32,10 @@ def encode_audio(mimi: Mimi, pcm: np.ndarray) -> torch.Tensor:
     padded[: pcm.size] = pcm
     ctx = StepContext(mimi.init_state(1))
     device = next(mimi.parameters()).device
-    x = torch.from_numpy(padded).to(device).view(frames, 1, FRAME_SIZE)
-    codes = [mimi.encode(x[i : i + 1], ctx)[0, :, 0] for i in range(frames)]
-    return torch.stack(codes).cpu()
+    x = torch.from_numpy(padded).to(device).view(1, 1, frames * FRAME_SIZE)
+    step = max(1, min(chunk_frames, mimi.max_frames_per_call)) * FRAME_SIZE
+    codes = [mimi.encode(x[..., i : i + step], ctx)[0] for i in range(0, frames * FRAME_SIZE, step)]
+    return torch.cat(codes, dim=-1).T.cpu()
 
 
 @torch.no_grad()

@@ -59,6 +59,12 @@ class Mimi(nn.Module):
             self.upsample = _Upsample(self.resample_stride, dim)
         name_streaming_modules(self)
 
+    @property
+    def max_frames_per_call(self) -> int:
+        """Most frames one `encode` / `decode` call may take: its transformer positions
+        (`resample_stride` per frame) must fit the transformer's context."""
+        return max(1, self.encoder_transformer.transformer.context // self.resample_stride)
+
     def init_state(self, batch: int, device: torch.device | str | None = None) -> StreamState:
         p = next(self.parameters())
         return init_state(self, batch, device or p.device, p.dtype)

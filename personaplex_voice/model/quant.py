@@ -9,9 +9,15 @@ The matmul, chosen by measurement (docs/engine.md, "int8 weights"):
   activations twice as fast as the bfloat16 matmul at batch 1), for inner widths that are
   multiples of 32; torchao's int8 weight-only layout runs no faster than dequantising here, so
   it is not a dependency.
-- CUDA: the rows are cast to the activation dtype and multiplied by cuBLAS, the scale applied to
-  the output (y = (x @ q^T) * scale, exact algebra). This trades memory traffic for memory: it is
-  for GPUs where the bfloat16 weights do not fit; `bench/gpu_check.sh` times the alternatives.
+- CUDA: `torch._int_mm` (cuBLAS int8 x int8 -> int32), fed int8 activations quantized per row
+  (absmax / 127, dynamic) and scaled back by both scales: the weights are read as int8, once,
+  with no bfloat16 copy (dequantising first reads 1 byte, writes 2 and reads 2 per weight, about
+  five times the traffic). It is checked once per device against the dequantising product and
+  used where the shapes allow it (inner and outer widths multiples of 8; fewer than 17 rows are
+  padded to 17); elsewhere the rows are cast to the activation dtype and multiplied by cuBLAS,
+  the scale applied to the output (y = (x @ q^T) * scale, exact algebra). The per-row activation
+  rounding is a second rounding the dequantising path does not have; `bench/gpu_check.py`
+  measures both (`int8_kernels`) and the token agreement with bfloat16.
 
 A module keeps an `Int8Weight` where it had its `weight` (or `in_proj_weight`) parameter, so
 checkpoint names and module paths do not change; every call site goes through `linear(x, w)`,
@@ -30,6 +36,15 @@ _QMAX = 127.0
 # measured with torch 2.13); such layers (tiny models only, the 7B's are multiples) dequantise.
 INT8PACK_K_MULTIPLE = 32
 SCALE_DTYPE = torch.bfloat16
+# `torch._int_mm` on CUDA: both widths multiples of 8, more than 16 rows.
+INT_MM_MULTIPLE = 8
+INT_MM_MIN_ROWS = 17
+# Relative error against the dequantising product above which `_int_mm` is not used.
+INT_MM_TOLERANCE = 0.05
+# Per device: whether `_int_mm` runs and agrees there (checked at first use).
+_int_mm_ok: dict[str, bool] = {}
+# "auto": `_int_mm` on CUDA where it checks out; "dequant": never (`set_int8_matmul`).
+INT8_MATMUL_MODES = ("auto", "dequant")
 
 
 class Int8Weight(nn.Module):
@@ -39,6 +54,7 @@ class Int8Weight(nn.Module):
         super().__init__()
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
+        self.fused = True  # may use `torch._int_mm` on CUDA (False: always dequantise)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
@@ -62,7 +78,9 @@ class Int8Weight(nn.Module):
     def rows(self, index: int, rows_per_block: int) -> Int8Weight:
         """Block `index` of `rows_per_block` rows (the depth transformer's per-step weights): views."""
         start = index * rows_per_block
-        return Int8Weight(self.q[start : start + rows_per_block], self.scale[start : start + rows_per_block])
+        block = Int8Weight(self.q[start : start + rows_per_block], self.scale[start : start + rows_per_block])
+        block.fused = self.fused
+        return block
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -71,9 +89,52 @@ class Int8Weight(nn.Module):
         if x.device.type == "cpu" and x.shape[-1] % INT8PACK_K_MULTIPLE == 0:
             scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
             y = torch._weight_int8pack_mm(x2.contiguous(), self.q, scale)
+        elif x.device.type == "cuda" and self._int_mm_fits() and int_mm_usable(x.device):
+            y = int_mm_linear(x2, self.q, self.scale)
         else:
-            y = F.linear(x2, self.q.to(x.dtype)) * self.scale.to(x.dtype)
+            y = dequant_linear(x2, self.q, self.scale)
         return y.view(*lead, self.q.shape[0])
+
+    def _int_mm_fits(self) -> bool:
+        out, inner = self.q.shape
+        return self.fused and out % INT_MM_MULTIPLE == 0 and inner % INT_MM_MULTIPLE == 0
+
+
+def dequant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] as x's dtype)^T, times the row scales: a bfloat16 copy of the weight."""
+    return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+
+
+def int_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ q^T with int8 activations (one scale per row) through `torch._int_mm`; the
+    int32 result is scaled back by both scales. Fewer than 17 rows are padded with zeros."""
+    rows = x.shape[0]
+    if rows < INT_MM_MIN_ROWS:
+        x = torch.cat([x, x.new_zeros(INT_MM_MIN_ROWS - rows, x.shape[1])])
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / _QMAX
+    xq = torch.round(xf / x_scale).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    y = torch._int_mm(xq, q.t())  # [M, N] int32; q.t() is the column-major operand cuBLAS wants
+    out = y.float() * x_scale * scale.float()[None, :]
+    return out[:rows].to(x.dtype)
+
+
+def int_mm_usable(device: torch.device) -> bool:
+    """`torch._int_mm` runs on `device` and agrees with the dequantising product (checked once)."""
+    key = str(device)
+    if key not in _int_mm_ok:
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            w = torch.randn(64, 128, generator=gen)
+            weight = Int8Weight.quantize(w.to(device))
+            x = torch.randn(32, 128, generator=gen).to(device, torch.bfloat16)
+            got = int_mm_linear(x, weight.q, weight.scale).float()
+            want = dequant_linear(x, weight.q, weight.scale).float()
+            error = float((got - want).abs().max() / want.abs().max())
+            _int_mm_ok[key] = error < INT_MM_TOLERANCE
+        except Exception:
+            _int_mm_ok[key] = False
+    return _int_mm_ok[key]
 
 
 Weight = torch.Tensor | Int8Weight
@@ -133,6 +194,17 @@ def quantize_model_(model: nn.Module) -> None:
         weight = model.get_parameter(name)
         set_weight(model, name, Int8Weight.quantize(weight))
         del weight
+
+
+def set_int8_matmul(model: nn.Module, mode: str) -> None:
+    """ "auto" (fused `_int_mm` on CUDA where it checks out) or "dequant" for every int8 weight."""
+    if mode not in INT8_MATMUL_MODES:
+        raise ValueError(f"int8 matmul must be one of {', '.join(INT8_MATMUL_MODES)}, got {mode!r}")
+    for module in model.modules():
+        if isinstance(module, Int8Weight):
+            module.fused = mode == "auto"
+        if hasattr(module, "_weights_key"):  # per-step row views (the depth transformer): rebuild
+            module._weights_key = None
 
 
 def linear_weight_bytes(model: nn.Module) -> tuple[int, int]:

@@ -10,6 +10,13 @@ numbers are the byte counts of exactly the tensors the engine creates.
 - fixed: the persona cache (`--persona-cache-mb`, kept on the device) and a reserve for the CUDA
   context, cuBLAS workspaces and allocator slack (`RESERVE_GIB`, an estimate: bench/gpu_check.sh
   measures the real peak).
+
+`tick_traffic` counts the bytes one tick moves through GPU memory, which bounds its time from
+below on a memory-bound decode: every linear weight read once (the depth transformer's steps
+each read their own), every slot's whole KV ring read once per layer (static shapes: the ring is
+read whatever its fill). For int8 weights and fp8 caches it gives both the read that converts
+in registers ("now": `torch._int_mm`, the fp8 Triton kernel) and the one that materialises a
+bfloat16 copy first ("old": read 1, write 2, read 2 bytes per element).
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from personaplex_voice.model.mimi import Mimi
 from personaplex_voice.model.quant import quantizable_weights
 
 GIB = 2**30
+GB = 1e9
+# Device-to-device copy bandwidth measured on an H200 here (bytes read + written per second).
+H200_BYTES_PER_S = 4.3e12
+TRAFFIC_SLOTS = (64, 128)
 RESERVE_GIB = 2.0
 PERSONA_CACHE_GIB = 1.0  # the server's default --persona-cache-mb 1024
 # Usable memory (GiB, as torch reports it) of the GPU classes in the docs' table.
@@ -105,3 +116,80 @@ def memory_table(cfg: ModelConfig | None = None) -> str:
         sizes = f"{plan.weights / GIB:.1f} | {plan.per_call / GIB:.2f}"
         lines.append(f"| {label} | {kv_name} | {sizes} | {calls} |")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TickTraffic:
+    """Bytes one tick moves (see the module docstring)."""
+
+    weights: int  # linear weights (+ Mimi), as read now
+    weights_old: int  # the same through a bfloat16 copy (int8 dequantised); = weights otherwise
+    kv: int  # every slot's KV ring, as read now
+    kv_old: int  # through a per-layer bfloat16 copy (fp8 converted); = kv otherwise
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+    @property
+    def total_old(self) -> int:
+        return self.weights_old + self.kv_old
+
+    def floor_ms(self, bytes_per_s: float = H200_BYTES_PER_S) -> float:
+        """The tick's time if moving these bytes were all it did."""
+        return 1000 * self.total / bytes_per_s
+
+
+def tick_traffic(
+    cfg: ModelConfig, slots: int, *, quantize: str | None = None, kv_dtype: torch.dtype | None = None
+) -> TickTraffic:
+    with torch.device("meta"):
+        lm = LMModel(cfg.lm).to(torch.bfloat16)
+        mimi = Mimi(cfg)
+    state = lm.state_dict()
+    linear = sum(state[name].numel() for name in quantizable_weights(lm))
+    rows = sum(state[name].shape[0] for name in quantizable_weights(lm))
+    mimi_bytes = _nbytes(mimi.state_dict())
+    if quantize == "int8":
+        weights = linear + 2 * rows + mimi_bytes
+        weights_old = linear * (1 + 2 + 2) + 2 * rows + mimi_bytes
+    else:
+        weights = weights_old = 2 * linear + mimi_bytes
+    lm.set_kv_dtype(kv_dtype)
+    kv_elements = sum(t.numel() for k, t in lm.init_state(slots, "meta").items() if k.endswith((":k", ":v")))
+    if kv_dtype is not None and torch.empty(0, dtype=kv_dtype).element_size() == 1:
+        kv, kv_old = kv_elements, kv_elements * (1 + 2 + 2)
+    else:
+        kv = kv_old = kv_elements * 2
+    return TickTraffic(weights=weights, weights_old=weights_old, kv=kv, kv_old=kv_old)
+
+
+def traffic_table(cfg: ModelConfig | None = None, slots: tuple[int, ...] = TRAFFIC_SLOTS) -> str:
+    """The markdown table of docs/engine.md ("Memory traffic per tick") for the 7B model."""
+    cfg = cfg or ModelConfig.personaplex_7b()
+    rows = [
+        ("bfloat16", "bfloat16", None, None),
+        ("bfloat16", "float8", None, torch.float8_e4m3fn),
+        ("int8", "bfloat16", "int8", None),
+        ("int8", "float8", "int8", torch.float8_e4m3fn),
+    ]
+    head = (
+        "| LM weights | KV cache | slots | weights (GB) | KV (GB) | per tick now (GB) | "
+        "per tick before (GB) | floor at 4.3 TB/s now (ms) | before (ms) |"
+    )
+    lines = [head, "|" + " --- |" * 9]
+    for weights_name, kv_name, quantize, kv in rows:
+        for n in slots:
+            t = tick_traffic(cfg, n, quantize=quantize, kv_dtype=kv)
+            before_ms = 1000 * t.total_old / H200_BYTES_PER_S
+            lines.append(
+                f"| {weights_name} | {kv_name} | {n} | {t.weights / GB:.1f} | {t.kv / GB:.1f} | "
+                f"{t.total / GB:.1f} | {t.total_old / GB:.1f} | {t.floor_ms():.1f} | {before_ms:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(memory_table())
+    print()
+    print(traffic_table())

@@ -13,6 +13,7 @@ entries and only the remaining `context - pin` entries roll; pinned entries stay
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from personaplex_voice.model.attention import sdpa_context
 from personaplex_voice.model.quant import linear
 from personaplex_voice.model.streaming import StepContext, StreamingModule, StreamState, commit
+
+# Decode attention reading a float8 KV cache directly (model/fp8_attention.py):
+# (q [B, H, 1, D], k_cache, v_cache [B, H, N, D], mask [B, 1, 1, N]) -> [B, H, 1, D].
+Fp8DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The largest finite float8_e4m3fn: keys and values are clamped to it before an fp8 cache write
 # (a cast of anything larger gives NaN, e4m3fn has no infinity).
@@ -141,6 +147,9 @@ class AttentionPlan:
     positions: torch.Tensor  # long [B, T] absolute query positions
     index: torch.Tensor  # long [B, T] ring entries written
     mask: torch.Tensor  # bool [B, 1, T, capacity]
+    # bool [1, T]: which positions are real; padding (False) is computed but written nowhere.
+    # None = all real.
+    real: torch.Tensor | None = None
 
 
 class StreamingAttention(StreamingModule):
@@ -156,6 +165,8 @@ class StreamingAttention(StreamingModule):
         # The KV cache's dtype when it differs from the compute dtype (fp8 for low VRAM); None =
         # the dtype the state is created with.
         self.kv_dtype: torch.dtype | None = None
+        # Set by the engine once checked: one-query attention read straight from an fp8 cache.
+        self.fp8_decode: Fp8DecodeAttention | None = None
 
     def init_own_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> StreamState:
         shape = (batch, self.num_heads, self.capacity, self.dim // self.num_heads)
@@ -174,25 +185,32 @@ class StreamingAttention(StreamingModule):
             q, k = apply_rope(q, k, plan.positions, self.rope_period)
         k_cache, v_cache = self.st(ctx, "k"), self.st(ctx, "v")
         index = plan.index[:, None, :, None].expand(B, H, T, C // H)
-        if k_cache.dtype.itemsize == 1:  # an fp8 cache: clamp to its range, move raw bytes
+        # Rows that must keep what the cache holds: inactive slots, padding positions.
+        keep = None if ctx.active is None else ~ctx.active.view(B, 1, 1, 1)
+        if plan.real is not None:
+            pad = ~plan.real.view(1, 1, T, 1)
+            keep = pad if keep is None else keep | pad
+        fp8 = k_cache.dtype.itemsize == 1
+        if fp8:  # an fp8 cache: clamp to its range, move raw bytes
             k, v = k.clamp(-FP8_MAX, FP8_MAX), v.clamp(-FP8_MAX, FP8_MAX)
-            if ctx.active is not None:
-                keep = ~ctx.active.view(B, 1, 1, 1)
+            if keep is not None:
                 k = torch.where(keep, _gather_fp8(k_cache, index).to(k.dtype), k)
                 v = torch.where(keep, _gather_fp8(v_cache, index).to(v.dtype), v)
             # gather/scatter have no float8 kernels: the same bytes as uint8
             k_cache.view(torch.uint8).scatter_(2, index, k.to(k_cache.dtype).view(torch.uint8))
             v_cache.view(torch.uint8).scatter_(2, index, v.to(v_cache.dtype).view(torch.uint8))
         else:
-            if ctx.active is not None:
-                keep = ~ctx.active.view(B, 1, 1, 1)
+            if keep is not None:
                 k = torch.where(keep, k_cache.gather(2, index), k)
                 v = torch.where(keep, v_cache.gather(2, index), v)
             k_cache.scatter_(2, index, k.to(k_cache.dtype))
             v_cache.scatter_(2, index, v.to(v_cache.dtype))
-        # A cache in another dtype is read back in the compute dtype (one layer at a time).
-        keys, values = k_cache.to(q.dtype), v_cache.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, plan.mask)
+        if fp8 and T == 1 and self.fp8_decode is not None:
+            out = self.fp8_decode(q, k_cache, v_cache, plan.mask)
+        else:
+            # A cache in another dtype is read back in the compute dtype (one layer at a time).
+            keys, values = k_cache.to(q.dtype), v_cache.to(q.dtype)
+            out = F.scaled_dot_product_attention(q, keys, values, plan.mask)
         out = out.transpose(1, 2).reshape(B, T, C)
         return linear(out, self.out_proj.weight)
 
@@ -272,6 +290,10 @@ class StreamingTransformer(StreamingModule):
                 for _ in range(num_layers)
             ]
         )
+        # SDPA backends pinned per phase (model/attention.py): one query per slot (the tick) and
+        # several (prefill). None = torch's own choice.
+        self.sdpa_decode: tuple[str, ...] | None = None
+        self.sdpa_prefill: tuple[str, ...] | None = None
 
     def init_own_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> StreamState:
         return {
@@ -280,33 +302,46 @@ class StreamingTransformer(StreamingModule):
             "pin": torch.zeros(batch, dtype=torch.long, device=device),
         }
 
-    def plan(self, T: int, ctx: StepContext) -> AttentionPlan:
+    def plan(self, T: int, ctx: StepContext, real: int | None = None) -> AttentionPlan:
+        """Where this call's T positions go and what each attends. With `real` < T, the last
+        T - real positions are padding: computed, but they write no entry, move no position and
+        are invisible to the real ones (a fixed chunk length, whatever the prompt's length)."""
         pos, kpos, pin = self.st(ctx, "pos"), self.st(ctx, "kpos"), self.st(ctx, "pin")
         B = pos.shape[0]
-        positions = pos[:, None] + torch.arange(T, device=pos.device)
+        steps = torch.arange(T, device=pos.device)
+        positions = pos[:, None] + steps
         pin_ = pin[:, None]
         rolling = pin_ + torch.remainder(positions - pin_, self.context - pin_)
         index = torch.where(positions < pin_, positions, rolling)
-        kpos_after = kpos.scatter(1, index, positions)
+        is_real = None
+        written = positions
+        if real is not None and real < T:
+            is_real = (steps < real)[None, :]
+            written = torch.where(is_real, positions, kpos.gather(1, index))
+        n = T if is_real is None else real
+        kpos_after = kpos.scatter(1, index, written)
         delta = positions[:, :, None] - kpos_after[:, None, :]
         allowed = (kpos_after >= 0)[:, None, :] & (delta >= 0)
         # The published ring gives its oldest entry, once the ring is full, the position of the
         # next write, which masks it: only the last `context - 1` positions are attended
         # (`kpos > end - context`). Reproduced so long calls stay exact; pinned entries are exempt.
-        end = (pos + T)[:, None]
+        end = (pos + n)[:, None]
         recent = (kpos_after > end - self.context)[:, None, :] & (delta < self.context)
         pinned = (kpos_after < pin_)[:, None, :]
         allowed = allowed & (recent | pinned)
         commit(kpos, kpos_after, ctx.active)
-        commit(pos, pos + T, ctx.active)
-        return AttentionPlan(positions=positions, index=index, mask=allowed.view(B, 1, T, self.context))
+        commit(pos, pos + n, ctx.active)
+        mask = allowed.view(B, 1, T, self.context)
+        return AttentionPlan(positions=positions, index=index, mask=mask, real=is_real)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, real: int | None = None) -> torch.Tensor:
+        """Advance each slot by T = x.shape[1] positions (by `real` of them when padded)."""
         if x.shape[1] > self.context:
             raise ValueError(f"cannot process {x.shape[1]} steps at once with a context of {self.context}")
-        plan = self.plan(x.shape[1], ctx)
-        for layer in self.layers:
-            x = layer.forward(x, plan, ctx)
+        plan = self.plan(x.shape[1], ctx, real)
+        with sdpa_context(self.sdpa_decode if x.shape[1] == 1 else self.sdpa_prefill):
+            for layer in self.layers:
+                x = layer.forward(x, plan, ctx)
         return x
 
 

@@ -44,7 +44,7 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
         num_slots=settings.max_sessions,
         device=device,
         dtype=parse_dtype(settings.dtype),
-        **engine_options(settings.prefill, settings.quantize, settings.kv_dtype),
+        **engine_options(settings.prefill, settings.quantize, settings.kv_dtype, settings.cuda_graphs),
         **{k: v for k, v in overrides.items() if v is not None},
     )
     configure_threads(settings.threads, engine)  # auto needs the model's size and device

@@ -46,6 +46,9 @@ class ServerSettings(BaseSettings):
     quantize: Literal["none", "int8"] = "none"
     # The LM's KV cache dtype; `auto` = the LM dtype; `float8` halves the memory per call.
     kv_dtype: Literal["auto", "bfloat16", "float16", "float32", "float8"] = "auto"
+    # On a GPU every tick is one captured CUDA graph; a failed capture refuses readiness.
+    # False (`--no-cuda-graphs`) runs the ticks eagerly, knowingly.
+    cuda_graphs: bool = True
     # torch intra-op threads; 0 = auto (1 for tiny models, torch's default otherwise). Set it on a
     # shared CPU so the server does not take every core from its neighbours.
     threads: int = Field(0, ge=0, le=1024)
