@@ -14,9 +14,9 @@ import pytest
 import torch
 from support_engine import persona, user_frames
 
-from personaplex_voice.cli_options import engine_options
 from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
 from personaplex_voice.engine.graphs import CUDAGraphed, GraphCaptureError
+from personaplex_voice.engine.options import engine_options
 from personaplex_voice.errors import UserError
 
 torch.set_num_threads(1)
@@ -159,7 +159,7 @@ def test_a_capture_failing_with_pinned_attention_retries_with_torchs_choice(gold
 def test_no_cuda_graphs_is_an_engine_option_and_a_setting(monkeypatch) -> None:
     assert engine_options("parallel", "none", "auto")["cuda_graphs"] is None  # the engine's default
     assert engine_options("parallel", "none", "auto", cuda_graphs=False)["cuda_graphs"] is False
-    from personaplex_voice.server.config import ServerSettings
+    from personaplex_voice.process.settings import ServerSettings
 
     monkeypatch.setenv("PERSONAPLEX_CUDA_GRAPHS", "false")
     assert ServerSettings().cuda_graphs is False
@@ -170,8 +170,8 @@ def test_a_failed_capture_refuses_readiness_with_one_line(golden_dir, monkeypatc
     a backend whose capture raises) is loaded by the real startup, warm-up refuses, /readyz never
     says ready and the reason is one line naming --no-cuda-graphs; the CLI gets a UserError."""
     from fastapi.testclient import TestClient
-    from personaplex_voice.server.config import ServerSettings
 
+    from personaplex_voice.process.settings import ServerSettings
     from personaplex_voice.server import app as app_module
 
     engine = PersonaPlexEngine(
