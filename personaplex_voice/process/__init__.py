@@ -1,0 +1,1 @@
+"""Process-level code shared by every server process: TLS certificates (tls.py)."""
