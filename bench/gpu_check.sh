@@ -6,8 +6,8 @@
 # Runs from a clean clone on a machine with nothing but this repository and a CUDA build of
 # torch (any version from 2.4): it picks a python whose torch sees CUDA ($PYTHON, python3,
 # python, .venv/bin/python). When that python lacks the project's other runtime dependencies
-# (or libopus), it makes .venv-gpu on top of it (--system-site-packages plus a .pth to that
-# python's own site-packages: the same torch, never a second one) and installs what is missing:
+# (or libopus), it makes .venv-gpu on top of it (a .pth file gives it every site-packages that
+# python sees: the same torch, never a second one) and installs what is missing:
 # - from the offline bundle when one lies in the checkout (offline-bundle/, made by `make
 #   bundle` on a connected machine, or the folder $PERSONAPLEX_BUNDLE names): its install.sh,
 #   never the network (docs/deploy.md);
@@ -70,17 +70,16 @@ missing() {  # the packages $1 cannot import, and libopus when the project's loa
         >/dev/null 2>&1 || out="$out libopus"
     echo "$out"
 }
-# .venv-gpu over $1: its site-packages (the host's torch) seen through --system-site-packages
-# when $1 is the system python, and through a .pth file when $1 lives in a venv of its own. No
+# .venv-gpu over $1: it sees exactly the site-packages $1 sees (the host's torch among them,
+# and the system's when $1 sees them), through a .pth file that adds them after its own. No
 # pip or setuptools of its own (they would shadow the host's: torch requires a recent
 # setuptools, and a venv's seeded one is older): $1's pip runs in it, else ensurepip's.
 make_gpu_venv() {
-    local py="$1"
-    [ -x .venv-gpu/bin/python ] || "$py" -m venv --without-pip --system-site-packages .venv-gpu >&2 || return 1
-    local site
+    local py="$1" site
+    [ -x .venv-gpu/bin/python ] || "$py" -m venv --without-pip .venv-gpu >&2 || return 1
     site=$(.venv-gpu/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
-    "$py" -c 'import sysconfig; p = sysconfig.get_paths(); print("\n".join(dict.fromkeys([p["purelib"], p["platlib"]])))' \
-        >"$site/host-python.pth" || return 1
+    "$py" -c 'import sys; dirs = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+print(f"import site; list(map(site.addsitedir, {dirs!r}))")' >"$site/host-python.pth" || return 1
     .venv-gpu/bin/python -m pip --version >/dev/null 2>&1 || .venv-gpu/bin/python -m ensurepip --default-pip >&2
 }
 BUNDLE="${PERSONAPLEX_BUNDLE:-offline-bundle}"
