@@ -91,7 +91,10 @@ def serve(
     ] = None,
     ssl: Annotated[
         Path | None,
-        typer.Option(help="Directory with cert.pem and key.pem: serve https/wss (env PERSONAPLEX_SSL)"),
+        typer.Option(
+            help="Serve https/wss with DIR/cert.pem and key.pem; an empty or new DIR gets a self-signed "
+            "pair, reused on later starts (env PERSONAPLEX_SSL)"
+        ),
     ] = None,
     voice_dir: Annotated[
         Path | None,
@@ -209,11 +212,6 @@ class RedactTokens(logging.Filter):
 
 def check_files(settings: ServerSettings) -> None:
     """The files the settings name exist (before anything starts)."""
-    ssl_files = settings.ssl_files()
-    if ssl_files is not None:
-        for path in ssl_files:
-            if not path.is_file():
-                raise UserError(f"--ssl {settings.ssl}: {path.name} not found (need cert.pem and key.pem)")
     if settings.voice_dir is not None and not settings.voice_dir.is_dir():
         raise UserError(f"--voice-prompt-dir {settings.voice_dir}: not a directory")
     if settings.static is not None and not (settings.static / "index.html").is_file():
@@ -292,6 +290,9 @@ def run_server(settings: ServerSettings) -> None:
 
     check_files(settings)
     configure_logging(settings)
+    from personaplex_voice.process import tls
+
+    tls.prepare(settings)  # --ssl: the pair found and checked, or made when the directory has none
 
     failure: list[BaseException] = []
     server = None
