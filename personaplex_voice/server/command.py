@@ -64,6 +64,14 @@ def serve(
             "(env PERSONAPLEX_KV_DTYPE; auto)"
         ),
     ] = None,
+    cpu_offload: Annotated[
+        bool | None,
+        typer.Option(
+            "--cpu-offload/--no-cpu-offload",
+            help="Fit a small GPU: int8 weights, fp8 KV, then layers streamed from host memory, as "
+            "needed; the warm-up says if real time holds; nothing on CPU (env PERSONAPLEX_CPU_OFFLOAD)",
+        ),
+    ] = None,
     max_sessions: Annotated[
         int | None,
         typer.Option(help="Concurrent conversations = batch slots (env PERSONAPLEX_MAX_SESSIONS; 4)"),

@@ -44,6 +44,9 @@ class ServerSettings(BaseSettings):
     quantize: Literal["none", "int8"] = "none"
     # The LM's KV cache dtype; `auto` = the LM dtype; `float8` halves the memory per call.
     kv_dtype: Literal["auto", "bfloat16", "float16", "float32", "float8"] = "auto"
+    # As the published server's flag: on a GPU, plan its free memory (int8, fp8 KV, then layers
+    # streamed from host memory; engine/offload.py); on the CPU it changes nothing.
+    cpu_offload: bool = False
     # torch intra-op threads; 0 = auto (1 for tiny models, torch's default otherwise). Set it on a
     # shared CPU so the server does not take every core from its neighbours.
     threads: int = Field(0, ge=0, le=1024)
