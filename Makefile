@@ -9,7 +9,7 @@ PORT ?= 8998
 # The CPU build of torch that this project is tested with; a plain `torch` would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install install-dev system-deps serve-deps serve test lint bench
+.PHONY: install install-dev system-deps serve-deps serve test lint bench bundle
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -57,3 +57,11 @@ lint: install-dev
 
 bench: install-dev
 	$(BIN)/python bench/engine_step.py --model ../shared/golden
+
+# An offline install bundle for an air-gapped GPU host with its own torch (docs/deploy.md):
+# `make bundle BUNDLE_PYTHON=3.12 BUNDLE_PLATFORM=manylinux_2_28_x86_64 BUNDLE_EXTRAS=twilio`.
+BUNDLE_PYTHON ?= 3.12
+BUNDLE_PLATFORM ?= manylinux_2_28_x86_64
+BUNDLE_EXTRAS ?=
+bundle: install
+	$(BIN)/personaplex-voice bundle --python-version $(BUNDLE_PYTHON) --platform $(BUNDLE_PLATFORM) --extras "$(BUNDLE_EXTRAS)"

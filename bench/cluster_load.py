@@ -1,7 +1,7 @@
 """Cluster load: calls carried by 1 and 2 front-end processes over 2 engine workers, and the hop's cost.
 
     .venv/bin/python bench/cluster_load.py --engine echo [--twilio-levels 10,25,50,100,150]
-        [--chat-levels 8,16,32,48] [--seconds 4] [--ramp-ms 10]
+        [--chat-levels 8,16,32,48] [--seconds 4] [--ramp-ms 10] [--ray] [--frontends 1,2]
 
 For each front-end count (1, then 2), `personaplex-voice serve --workers F --engine-workers 2
 --engine echo --twilio` runs (the supervisor, F front-ends, 2 engine workers: separate
@@ -20,6 +20,11 @@ one-way time from the worker's delivery to the front-end's receipt and from the 
 to the worker's session, stamped on the shared monotonic clock (`/api/cluster` reports both over
 the last 10 s); `hop_added_ms_*` is the sum of the two directions' p50 (p99): what the split adds
 to a round trip.
+
+`--ray`: the same levels once more with the engine workers as Ray actors (`serve --ray ADDRESS
+--engine-workers 2 --workers 2` on a local 2-node Ray cluster with token authentication,
+tests/support_ray.py), beside the process-worker rows of the same run: calls carried, hop added,
+front-end and engine-worker CPU per call-second (`ray_*` in the last line).
 
 First, the engine worker alone (`--isolated-sessions`, 64: one worker, one client in this
 process, no simulators): its CPU per call-second and the hop, without CPU contention.
@@ -278,7 +283,9 @@ def isolated_worker_cost(sessions: int, seconds: float) -> dict:
 # -- one configuration ------------------------------------------------------------------------------
 
 
-def run_config(frontends: int, args: argparse.Namespace) -> dict:
+def run_config(frontends: int, args: argparse.Namespace, ray: object | None = None) -> dict:
+    """One server configuration through every level; `ray`: a support_ray.RayCluster whose
+    actors are the engine workers (else engine-worker processes of the supervisor)."""
     levels_twilio = [int(v) for v in args.twilio_levels.split(",")]
     levels_chat = [int(v) for v in args.chat_levels.split(",")]
     env = {
@@ -290,8 +297,12 @@ def run_config(frontends: int, args: argparse.Namespace) -> dict:
     }
     slots = max(max(levels_twilio), max(levels_chat)) // 2 + 8
     cmd = ("--workers", str(frontends), "--engine-workers", "2", "--max-sessions", str(slots), "--twilio")
-    result: dict = {"frontends": frontends, "twilio_rows": [], "chat_rows": []}
-    with running_server(*cmd, "--log-level", "warning", env=env) as server:
+    mode = "ray" if ray is not None else "process"
+    if ray is not None:
+        cmd = ("--ray", ray.address, *cmd)  # type: ignore[attr-defined]
+        env = {**ray.env, **env}  # type: ignore[attr-defined]
+    result: dict = {"frontends": frontends, "mode": mode, "twilio_rows": [], "chat_rows": []}
+    with running_server(*cmd, "--log-level", "warning", env=env, timeout=240) as server:
         wait_up(server.url, frontends)
         best, best_cost = 0, None
         for calls in levels_twilio:
@@ -309,7 +320,7 @@ def run_config(frontends: int, args: argparse.Namespace) -> dict:
             row["engine_worker_cpu_ms_per_call_s"] = round(
                 1000 * sum(around["engine_worker_cpu_s"]) / call_s, 2
             )
-            print(json.dumps({"frontends": frontends, "twilio": row}), flush=True)
+            print(json.dumps({"mode": mode, "frontends": frontends, "twilio": row}), flush=True)
             result["twilio_rows"].append(row)
             wait_idle(server.url)
             ok = not (
@@ -331,7 +342,7 @@ def run_config(frontends: int, args: argparse.Namespace) -> dict:
             row.update(around)
             call_s = clients * args.seconds
             row["frontend_cpu_ms_per_call_s"] = round(1000 * sum(around["frontend_cpu_s"]) / call_s, 2)
-            print(json.dumps({"frontends": frontends, "chat": row}), flush=True)
+            print(json.dumps({"mode": mode, "frontends": frontends, "chat": row}), flush=True)
             result["chat_rows"].append(row)
             wait_idle(server.url)
             ok = (
@@ -357,11 +368,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--ramp-ms", type=float, default=10.0)
     parser.add_argument("--isolated-sessions", type=int, default=64)
+    parser.add_argument("--ray", action="store_true", help="also the engine workers as Ray actors")
+    parser.add_argument("--frontends", default="1,2", help="process-worker configurations to run")
     args = parser.parse_args()
     isolated = isolated_worker_cost(args.isolated_sessions, 8.0)
     print(json.dumps({"isolated_worker": isolated}), flush=True)
-    one = run_config(1, args)
-    two = run_config(2, args)
+    counts = [int(v) for v in args.frontends.split(",") if v]
+    empty = {"twilio_calls": None, "chat_sessions": None, "cost_row": None}
+    one = run_config(1, args) if 1 in counts else empty
+    two = run_config(2, args) if 2 in counts else empty
+    ray_summary = {}
+    if args.ray:
+        ray_summary = ray_mode(args)
     cost = two["cost_row"] or one["cost_row"] or {}
     hop = cost.get("hop") or {}
     summary = {
@@ -381,10 +399,39 @@ def main() -> None:
         "isolated_worker_cpu_ms_per_call_s": isolated["worker_cpu_ms_per_call_s"],
         "isolated_hop_added_ms_p50": isolated["hop_added_ms_p50"],
         "isolated_hop_added_ms_p99": isolated["hop_added_ms_p99"],
+        **ray_summary,
         "seconds_per_level": args.seconds,
         "cpu_count": os.cpu_count(),
     }
     print(json.dumps(summary))
+
+
+def ray_mode(args: argparse.Namespace) -> dict:
+    """The levels with 2 front-ends over 2 engine actors on a local 2-node Ray cluster."""
+    import subprocess
+
+    from support_ray import ray_cluster
+
+    with ray_cluster(nodes=2) as ray:
+        try:
+            result = run_config(2, args, ray)
+        finally:  # the actors are detached: remove them before the cluster goes
+            code = (
+                "import sys; from personaplex_voice.cluster.ray_actors import stop_engine_actors as s; "
+                "s(sys.argv[1])"
+            )
+            subprocess.run([sys.executable, "-c", code, ray.address], cwd=ROOT, env=ray.env, timeout=120)
+    cost = result["cost_row"] or {}
+    hop = cost.get("hop") or {}
+    return {
+        "ray_twilio_calls_2_frontends": result["twilio_calls"],
+        "ray_chat_sessions_2_frontends": result["chat_sessions"],
+        "ray_hop_added_ms_p50": hop.get("added_ms_p50"),
+        "ray_hop_added_ms_p99": hop.get("added_ms_p99"),
+        "ray_frontend_cpu_ms_per_call_s": cost.get("frontend_cpu_ms_per_call_s"),
+        "ray_engine_worker_cpu_ms_per_call_s": cost.get("engine_worker_cpu_ms_per_call_s"),
+        "ray_cost_measured_at_calls": cost.get("calls"),
+    }
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@
 #   bench/gpu_check.sh [OUT.json] [gpu_check.py options, e.g. --parts speed or --cpu-smoke]
 #
 # Runs from a clean clone on a machine with nothing but this repository and a CUDA build of
-# torch: it picks a python whose torch sees CUDA ($PYTHON, python3, python, .venv/bin/python),
-# and when that python lacks the project's other runtime dependencies it makes .venv-gpu on top
-# of it (--system-site-packages: the same torch, never a second one) and pip-installs only what
-# is missing, torch excluded (short timeouts: without network, the parts that need a missing
-# package report it and the rest runs). The package is used from the checkout (PYTHONPATH), not
-# installed. Finishes in under 8 minutes; prints ONE JSON line and writes it to OUT.json
-# (default gpu_check.json), also when the python part dies.
+# torch (any version from 2.4): it picks a python whose torch sees CUDA ($PYTHON, python3,
+# python, .venv/bin/python). When that python lacks the project's other runtime dependencies
+# (or libopus), it makes .venv-gpu on top of it (a .pth file gives it every site-packages that
+# python sees: the same torch, never a second one) and installs what is missing:
+# - from the offline bundle when one lies in the checkout (offline-bundle/, made by `make
+#   bundle` on a connected machine, or the folder $PERSONAPLEX_BUNDLE names): its install.sh,
+#   never the network (docs/deploy.md);
+# - otherwise with pip from the network, torch excluded (short timeouts: without network, the
+#   parts that need a missing package report it and the rest runs).
+# The package is used from the checkout (PYTHONPATH). Finishes in under 8 minutes; prints ONE
+# JSON line and writes it to OUT.json (default gpu_check.json), also when the python part dies.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -43,44 +47,71 @@ if [ -z "$PY" ]; then
     emit "no python with a CUDA-enabled torch found"
     exit 1
 fi
-log "python: $PY ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)' 2>&1))"
+log "python: $PY ($("$PY" -W ignore -c 'import torch; print(torch.__version__, torch.version.cuda)' 2>&1))"
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2
+# torch.__version__ compares as a version from torch 1.x on (TorchVersion); no newer API is used.
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.__version__ >= '2.4' else 1)" 2>/dev/null; then
+    log "torch $("$PY" -c 'import torch; print(torch.__version__)' 2>&1) is older than 2.4: the project needs torch>=2.4"
+    emit "torch older than 2.4"
+    exit 1
+fi
 
 # The runtime dependencies (pyproject, torch excluded), as import name=pip requirement.
 DEPS="numpy=numpy sentencepiece=sentencepiece soundfile=soundfile soxr=soxr pyloudnorm=pyloudnorm \
 opuslib=opuslib typer=typer pydantic=pydantic pydantic_settings=pydantic-settings fastapi=fastapi \
 uvicorn=uvicorn[standard] websockets=websockets prometheus_client=prometheus-client tqdm=tqdm \
-huggingface_hub=huggingface_hub safetensors=safetensors"
-missing() {
+huggingface_hub=huggingface_hub safetensors=safetensors cryptography=cryptography"
+missing() {  # the packages $1 cannot import, and libopus when the project's loader finds none
     local py="$1" out=""
     for pair in $DEPS; do
         "$py" -c "import ${pair%%=*}" 2>/dev/null || out="$out ${pair#*=}"
     done
+    PYTHONPATH="$PWD" "$py" -c "from personaplex_voice.audio.opus_library import require_opus; require_opus()" \
+        >/dev/null 2>&1 || out="$out libopus"
     echo "$out"
 }
+# .venv-gpu over $1: it sees exactly the site-packages $1 sees (the host's torch among them,
+# and the system's when $1 sees them), through a .pth file that adds them after its own. No
+# pip or setuptools of its own (they would shadow the host's: torch requires a recent
+# setuptools, and a venv's seeded one is older): $1's pip runs in it, else ensurepip's.
+make_gpu_venv() {
+    local py="$1" site
+    [ -x .venv-gpu/bin/python ] || "$py" -m venv --without-pip .venv-gpu >&2 || return 1
+    site=$(.venv-gpu/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+    "$py" -c 'import sys; dirs = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+print(f"import site; list(map(site.addsitedir, {dirs!r}))")' >"$site/host-python.pth" || return 1
+    .venv-gpu/bin/python -m pip --version >/dev/null 2>&1 || .venv-gpu/bin/python -m ensurepip --default-pip >&2
+}
+BUNDLE="${PERSONAPLEX_BUNDLE:-offline-bundle}"
+[ -f "$BUNDLE/install.sh" ] && [ -f "$BUNDLE/manifest.json" ] || BUNDLE=""
 MISSING=$(missing "$PY")
-SETUP="{\"missing_before\": \"${MISSING# }\""
+if [ -n "$BUNDLE" ]; then
+    SETUP="{\"bundle\": \"$BUNDLE\", \"from_bundle\": \"${MISSING# }\""
+else
+    SETUP="{\"missing_before\": \"${MISSING# }\""
+fi
 if [ -n "$MISSING" ]; then
-    log "missing:$MISSING; installing them into .venv-gpu (on top of $PY, same torch)"
-    if [ ! -x .venv-gpu/bin/python ]; then
-        "$PY" -m venv --system-site-packages .venv-gpu >&2 || log "could not create .venv-gpu"
-    fi
-    if [ -x .venv-gpu/bin/python ]; then
-        # shellcheck disable=SC2086  # one word per requirement
-        timeout 150 .venv-gpu/bin/python -m pip install -q --disable-pip-version-check \
-            --timeout 10 --retries 1 $MISSING >&2 || log "pip install failed (no network?)"
+    if make_gpu_venv "$PY"; then
+        if [ -n "$BUNDLE" ]; then
+            log "missing:$MISSING; installing the offline bundle $BUNDLE into .venv-gpu (on top of $PY, same torch; no network)"
+            bash "$BUNDLE/install.sh" .venv-gpu/bin/python >&2 || log "the bundle's install.sh failed"
+        else
+            log "missing:$MISSING; installing them into .venv-gpu (on top of $PY, same torch)"
+            # shellcheck disable=SC2086  # one word per requirement
+            timeout 150 .venv-gpu/bin/python -m pip install -q --disable-pip-version-check \
+                --timeout 10 --retries 1 ${MISSING/libopus/} >&2 || log "pip install failed (no network?)"
+        fi
         if .venv-gpu/bin/python -c "import torch" 2>/dev/null; then
             PY=.venv-gpu/bin/python
         fi
+    else
+        log "could not create .venv-gpu"
     fi
     STILL=$(missing "$PY")
     SETUP="$SETUP, \"missing_after\": \"${STILL# }\""
     [ -n "$STILL" ] && log "still missing:$STILL (the parts needing them will say so)"
+    case "$STILL" in *libopus*) log "libopus not found: the serving part needs it (apt-get install libopus0, or an offline bundle)" ;; esac
 fi
-command -v ldconfig >/dev/null 2>&1 && ! ldconfig -p 2>/dev/null | grep -q libopus && {
-    log "libopus not found: the serving part needs it (apt-get install libopus0)"
-    SETUP="$SETUP, \"libopus\": false"
-}
 SETUP="$SETUP, \"python\": \"$PY\"}"
 
 ELAPSED=$(($(date +%s) - START))

@@ -6,6 +6,7 @@
 | `offline`        | `personaplex_voice.offline.offline`              |
 | `voices list/make` | `personaplex_voice.voices_cli.app`             |
 | `call`           | `personaplex_twilio.cli.call` (needs the `twilio` extra) |
+| `bundle`         | `personaplex_voice.deploy.bundle.bundle` (offline install bundle) |
 
 Errors meant for the user are raised as `personaplex_voice.errors.UserError` (or the engine's
 `EngineError`s: unknown voice, bad prompt...) and printed as one line (no traceback unless
@@ -64,6 +65,7 @@ _register_command("serve", "personaplex_voice.serve_command:serve")
 _register_command("offline", "personaplex_voice.offline:offline")
 _register_group("voices", "personaplex_voice.voices_cli:app")
 _register_command("call", "personaplex_twilio.cli:call")
+_register_command("bundle", "personaplex_voice.deploy.bundle:bundle")
 
 
 def main(argv: list[str] | None = None) -> None:

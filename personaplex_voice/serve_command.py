@@ -71,6 +71,14 @@ def serve(
             "--no-cuda-graphs runs eagerly, knowingly (env PERSONAPLEX_CUDA_GRAPHS; on)",
         ),
     ] = None,
+    cpu_offload: Annotated[
+        bool | None,
+        typer.Option(
+            "--cpu-offload/--no-cpu-offload",
+            help="Fit a small GPU: int8 weights, fp8 KV, then layers streamed from host memory, as "
+            "needed; the warm-up says if real time holds; nothing on CPU (env PERSONAPLEX_CPU_OFFLOAD)",
+        ),
+    ] = None,
     max_sessions: Annotated[
         int | None,
         typer.Option(help="Concurrent conversations = batch slots (env PERSONAPLEX_MAX_SESSIONS; 4)"),
@@ -98,7 +106,10 @@ def serve(
     ] = None,
     ssl: Annotated[
         Path | None,
-        typer.Option(help="Directory with cert.pem and key.pem: serve https/wss (env PERSONAPLEX_SSL)"),
+        typer.Option(
+            help="Serve https/wss with DIR/cert.pem and key.pem; an empty or new DIR gets a self-signed "
+            "pair, reused on later starts (env PERSONAPLEX_SSL)"
+        ),
     ] = None,
     voice_dir: Annotated[
         Path | None,

@@ -191,11 +191,13 @@ async def chat(
     headers: Mapping[str, str] | None = None,
     origin: str | None = None,
     handshake_timeout: float = 60.0,
+    ssl_context=None,
 ) -> ChatResult:
     """Connect to `url` (ws://.../api/chat?...), wait for the handshake, stream `audio` (float32
     24 kHz) in 80 ms chunks (paced in real time unless `realtime=False`), then keep the microphone
     open (silence) for `tail_s` and until the agent audio received covers what was sent (at most
-    `max_tail_s`: a loaded machine may run behind), then close. Returns what the server sent."""
+    `max_tail_s`: a loaded machine may run behind), then close. Returns what the server sent.
+    `ssl_context`: for wss://, the context that must verify the server (default: trust any)."""
     import asyncio
 
     import sphn
@@ -258,7 +260,7 @@ async def chat(
             else:
                 await asyncio.sleep(0)
 
-    secure = {"ssl": insecure_ssl_context()} if url.startswith("wss:") else {}
+    secure = {"ssl": ssl_context or insecure_ssl_context()} if url.startswith("wss:") else {}
     async with connect(
         url, additional_headers=headers, origin=origin, compression=None, proxy=None, max_size=None, **secure
     ) as ws:

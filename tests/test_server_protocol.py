@@ -118,13 +118,14 @@ def test_cli_reports_bad_settings_in_one_line(tmp_path):
     )
     assert run.returncode == 2
     assert "engine" in run.stderr and "Traceback" not in run.stderr
+    (tmp_path / "key.pem").write_text("a key without its certificate")  # (an empty dir gets a pair)
     run = subprocess.run(
         [sys.executable, "-m", "personaplex_voice.cli", "serve", "--engine", "echo", "--ssl", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert run.returncode == 2 and "cert.pem" in run.stderr
+    assert run.returncode == 2 and "cert.pem is not" in run.stderr
 
 
 def test_echo_server_never_imports_torch():

@@ -34,7 +34,35 @@ DISCOVERY_INTERVAL_S = 1.0
 ENDPOINT_TIMEOUT_S = 5.0
 
 
+# Ray 2.5x+: `ray start` turns token authentication on when a token exists, and a process that
+# joins with an explicit address only sends one when told to (docs/cluster.md).
+AUTH_HINT = (
+    "a cluster with token authentication needs RAY_AUTH_MODE=token and the cluster's token "
+    "(RAY_AUTH_TOKEN, or the file ~/.ray/auth_token) in this environment too: see docs/cluster.md"
+)
+
+
+def join_ray(ray: Any, address: str) -> None:
+    """`ray.init` on the cluster at `address`; a failure is one line (with the token hint)."""
+    try:
+        ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False)
+    except Exception as exc:  # Ray raises ConnectionError, AuthenticationError or RuntimeError
+        from personaplex_voice.errors import UserError
+
+        text = f"{exc}\n{exc.__cause__ or ''}"
+        if "authentication" in text.lower() or "unauthenticated" in text.lower():
+            detail = "it refused this process's authentication token: missing or not the cluster's"
+        else:
+            first = (str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__])[0]
+            detail = first.split(" Last connection error")[0][:300]
+        raise UserError(f"--ray {address}: cannot join the Ray cluster ({detail}); {AUTH_HINT}") from None
+
+
 def _ray() -> Any:
+    # Ray's core worker installs a crash handler in every process that joins; it catches SIGTERM
+    # too, and then arms a 3 s alarm that kills the process. Our processes drain on SIGTERM (a
+    # front-end lets its calls finish), so it is off here; Ray reads this when it is imported.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         import ray
     except ImportError:
@@ -131,7 +159,7 @@ def ensure_engine_actors(address: str, settings_values: dict[str, Any], settings
     ray = _ray()
     gpus = bool(settings.gpu_list) or str(settings.device).startswith("cuda")
     count = settings.engine_workers or len(settings.gpu_list)
-    ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False)
+    join_ray(ray, address)
     names = []
     try:
         for i in range(count):
@@ -148,7 +176,7 @@ def ensure_engine_actors(address: str, settings_values: dict[str, Any], settings
 def stop_engine_actors(address: str) -> list[str]:
     """Kill every engine actor of the namespace (they are detached: nothing else ends them)."""
     ray = _ray()
-    ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False)
+    join_ray(ray, address)
     killed = []
     try:
         for name in _engine_names(ray):
@@ -174,9 +202,7 @@ def ray_discovery(address: str, interval_s: float = DISCOVERY_INTERVAL_S) -> Any
 
     async def discover(client: ClusterClient) -> None:
         ray = _ray()
-        await asyncio.to_thread(
-            ray.init, address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False
-        )
+        await asyncio.to_thread(join_ray, ray, address)
         log.info("Ray: joined %s; looking for engine actors", address)
         known: set[str] = set()
         try:

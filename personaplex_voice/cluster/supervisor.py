@@ -275,4 +275,7 @@ def run_cluster(settings: Any) -> None:
     configure_logging(settings, "%(asctime)s %(levelname)s supervisor %(name)s: %(message)s")
     if settings.workers == 0 and not settings.engine_workers and not settings.gpus and not settings.ray:
         raise UserError("cluster mode needs --workers, --engine-workers, --gpus or --ray")
+    from personaplex_voice.process import tls
+
+    tls.prepare(settings)  # --ssl: found and checked, or made, before any front-end loads it
     Supervisor(settings).run()

@@ -36,7 +36,9 @@ def build_engine(
     `engine`: "model" (PersonaPlexEngine) or "echo" (LoopbackEngine: numpy only, torch never
     imported, `model` unused; `overrides` go to LoopbackEngine, e.g. `text_pieces`).
     `overrides`: per-file paths (`moshi_weight`, `mimi_weight`, `tokenizer`, `voice_prompt_dir`,
-    `hf_repo`); any other keyword is passed on to `PersonaPlexEngine`.
+    `hf_repo`); `cpu_offload` (with `persona_cache_bytes`, what the plan leaves the persona
+    cache): plan the card's memory as engine/offload.py says, a one-line no-op on the CPU; any
+    other keyword is passed on to `PersonaPlexEngine`.
     Raises `UserError` for anything the user can fix.
     """
     if num_slots < 1:
@@ -63,11 +65,34 @@ def build_engine(
         from personaplex_voice.model.demo import DEMO_NOTICE
 
         log.warning(DEMO_NOTICE)
+    offloaded = None
+    cpu_offload = overrides.pop("cpu_offload", False)
+    persona_cache_bytes = overrides.pop("persona_cache_bytes", 2**30)
+    if cpu_offload and not str(device).startswith("cuda"):
+        from personaplex_voice.engine.offload import CPU_NOTICE
+
+        log.warning(CPU_NOTICE)
+    elif cpu_offload:  # plan for the card, load that way (engine/offload.py)
+        from personaplex_voice.engine.offload import OffloadedModel
+
+        offloaded = OffloadedModel.load(
+            files,
+            device,
+            dtype,
+            num_slots=num_slots,
+            quantize=overrides.pop("quantize", None),
+            kv_dtype=overrides.get("kv_dtype"),
+            persona_cache_bytes=persona_cache_bytes,
+        )
+        overrides.update(models=(offloaded.mimi, offloaded.lm), kv_dtype=offloaded.kv_dtype)
     try:
         built = PersonaPlexEngine(files, num_slots=num_slots, device=device, dtype=dtype, **overrides)
     except (ValueError, TypeError) as exc:
         # The engine refuses a config or an option (other frame rate, unknown keyword...).
         raise UserError(f"cannot run model {files.name}: {exc}") from None
+    if offloaded is not None:
+        built.offload = offloaded
+        built.load_stats = offloaded.stats
     if files.is_demo:
         from personaplex_voice.engine.demo_voices import ensure_demo_voices
 

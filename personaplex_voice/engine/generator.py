@@ -163,6 +163,8 @@ class PersonaPlexEngine:
             raise ValueError("the engine runs 24 kHz audio in 80 ms frames")
 
         self.load_stats: LoadStats | None = None
+        # --cpu-offload: the plan and streamer it loaded with (engine/offload.py), set by the factory
+        self.offload: Any = None
         if models is not None:  # share already loaded modules (several engines, benchmarks)
             self.mimi, self.lm = models
         else:
@@ -484,6 +486,8 @@ class PersonaPlexEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info("engine warmed up in %.2f s (%d slots)", time.perf_counter() - started, self.num_slots)
+        if self.offload is not None:  # --cpu-offload: does a tick with the plan keep real time?
+            self.offload.report_realtime(self)
 
     def _idle_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         B = self.num_slots

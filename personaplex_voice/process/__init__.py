@@ -9,5 +9,6 @@ engine workers, the supervisor): nothing here knows the app's routes or the clus
 | `checks` | the files the settings name exist, before anything starts |
 | `http_guard` | uvicorn protocol classes: request-line/header limits, head timeouts, answered upgrades |
 | `uvicorn_setup` | the uvicorn config and server class every HTTP process runs |
+| `tls` | `--ssl DIR`: the pair found and checked, or a self-signed one made there and reused |
 | `runtime` | process-wide interpreter settings for realtime (gc.freeze, GIL switch interval) |
 """

@@ -7,11 +7,7 @@ from personaplex_voice.process.settings import ServerSettings
 
 
 def check_files(settings: ServerSettings) -> None:
-    ssl_files = settings.ssl_files()
-    if ssl_files is not None:
-        for path in ssl_files:
-            if not path.is_file():
-                raise UserError(f"--ssl {settings.ssl}: {path.name} not found (need cert.pem and key.pem)")
+    """(`--ssl` is tls.prepare's: a directory without a pair gets one.)"""
     if settings.voice_dir is not None and not settings.voice_dir.is_dir():
         raise UserError(f"--voice-prompt-dir {settings.voice_dir}: not a directory")
     if settings.static is not None and not (settings.static / "index.html").is_file():

@@ -46,9 +46,17 @@ def load_engine(settings: ServerSettings, progress: Progress) -> Any:
         dtype=parse_dtype(settings.dtype),
         **engine_options(settings.prefill, settings.quantize, settings.kv_dtype, settings.cuda_graphs),
         **{k: v for k, v in overrides.items() if v is not None},
+        **offload_options(settings),
     )
     configure_threads(settings.threads, engine)  # auto needs the model's size and device
     return engine
+
+
+def offload_options(settings: ServerSettings) -> dict[str, Any]:
+    """`--cpu-offload` as `build_engine` keywords (the persona cache is part of its plan)."""
+    if not settings.cpu_offload:
+        return {}
+    return {"cpu_offload": True, "persona_cache_bytes": round(settings.persona_cache_mb * (1 << 20))}
 
 
 def warm_engine(engine: Any) -> None:

@@ -49,6 +49,9 @@ class ServerSettings(BaseSettings):
     # On a GPU every tick is one captured CUDA graph; a failed capture refuses readiness.
     # False (`--no-cuda-graphs`) runs the ticks eagerly, knowingly.
     cuda_graphs: bool = True
+    # As the published server's flag: on a GPU, plan its free memory (int8, fp8 KV, then layers
+    # streamed from host memory; engine/offload.py); on the CPU it changes nothing.
+    cpu_offload: bool = False
     # torch intra-op threads; 0 = auto (1 for tiny models, torch's default otherwise). Set it on a
     # shared CPU so the server does not take every core from its neighbours.
     threads: int = Field(0, ge=0, le=1024)

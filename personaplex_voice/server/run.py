@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from personaplex_voice.errors import UserError
+from personaplex_voice.process import tls
 from personaplex_voice.process.checks import check_files
 from personaplex_voice.process.logs import configure_logging
 from personaplex_voice.process.settings import ServerSettings
@@ -20,6 +21,7 @@ def run(settings: ServerSettings) -> None:
 
     check_files(settings)
     configure_logging(settings)
+    tls.prepare(settings)  # --ssl: the pair found and checked, or made when the directory has none
 
     failure: list[BaseException] = []
     server = None
