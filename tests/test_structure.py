@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "serve_command": 6,
     "offline": 6,
     "voices_cli": 6,
+    "deploy": 6,
     "cli": 6,
 }
 # What cluster/ may take from server/: the ASGI app a front-end serves.
