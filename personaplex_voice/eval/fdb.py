@@ -10,9 +10,13 @@ DIR/<task>/<id>/output.wav       the agent, same timeline and length
 DIR/user_interruption/<id>/interrupt.json   [{"timestamp": [start, end], "context": ..., "interrupt": ...}]
 DIR/smooth_turn_taking/<id>/turn_taking.json [{"timestamp": [caller turn end, call end], "text": ...}]
 DIR/pause_handling/<id>/pause.json          [{"timestamp": [start, end]}, ...]  one per pause
-DIR/index.json                    <task>/<id> -> scenario, repeat, seed (outside the task folders,
-                                  whose scorers take every entry of a task folder for a sample)
+DIR/index.json                    {"samples": {<task>/<id>: call, scenario, repeat, seed},
+                                   "skipped": {call: why}}  (outside the task folders, whose
+                                  scorers take every entry of a task folder for a sample)
 ```
+A call is skipped when it failed, or when its task's annotation has nothing to hold (a
+turn-taking sample with no caller turn that waits for an answer, an interruption sample whose
+barge-in never came): the scorers need it in every sample.
 Sample ids are numbers (the backchannel scorer only reads numeric folders). A scenario's task
 is its `fdb_task`, else `user_interruption` when it has a barge-in, `pause_handling` when it has
 pauses, else `smooth_turn_taking`. Times come from the VAD of the caller's side.
@@ -80,13 +84,19 @@ class FdbWriter:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.index: dict[str, dict[str, Any]] = {}
+        self.skipped: dict[str, str] = {}
         self._counts: dict[str, int] = {}
 
     def add(self, result: CallResult) -> None:
-        if result.trace.error is not None:
-            return
         plan = result.trace.plan
         task = task_of(plan.scenario)
+        annotation = _annotation(task, result)
+        if result.trace.error is not None:
+            self.skipped[result.id] = f"the call failed: {result.trace.error}"
+            return
+        if annotation is None and task != "backchannel":
+            self.skipped[result.id] = f"no {task.replace('_', ' ')} in the call to annotate"
+            return
         sample = str(self._counts.get(task, 0))
         self._counts[task] = int(sample) + 1
         folder = self.root / task / sample
@@ -96,7 +106,6 @@ class FdbWriter:
             soundfile.write(
                 folder / name, resample(pcm, rate, FDB_RATE), FDB_RATE, subtype="PCM_16", format="WAV"
             )
-        annotation = _annotation(task, result)
         if annotation is not None:
             name, data = annotation
             (folder / name).write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
@@ -108,4 +117,5 @@ class FdbWriter:
         }
 
     def close(self) -> None:
-        (self.root / "index.json").write_text(json.dumps(self.index, indent=1), encoding="utf-8")
+        data = {"samples": self.index, "skipped": self.skipped}
+        (self.root / "index.json").write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -349,6 +349,8 @@ def _variables(
             raise ScenarioError(source.where("variables"), "variables must map names to values")
         for key, value in raw.items():
             if key not in spec.variables and key not in phone.CALL_FACTS:
+                if source is defaults:
+                    continue  # shared defaults may be meant for the file's other personas
                 declared = ", ".join(sorted(spec.variables)) or "none"
                 raise ScenarioError(
                     raw.where(key),
