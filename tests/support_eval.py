@@ -11,6 +11,8 @@ from personaplex_voice.eval.scenario import CallerVoice, Scenario, load_scenario
 from personaplex_voice.eval.speech import ClipBook, synthesize
 from personaplex_voice.eval.suite import plan_calls, run_suite
 
+ROOT = Path(__file__).resolve().parents[1]
+
 AGENT_VOICE = CallerVoice(voice="en-us+f3", rate=175)
 GREETING = "Thank you for calling. How can I help you today?"
 ANSWER = "I see. I will transfer you to a colleague now."
@@ -43,7 +45,9 @@ def load(folder: Path, text: str) -> list[Scenario]:
     return load_scenarios([scenario_file(folder, text)])
 
 
-async def run(scenarios: list[Scenario], out: Path, engine, *, repeat: int = 1, line: str | None = None, **kw):
+async def run(
+    scenarios: list[Scenario], out: Path, engine, *, repeat: int = 1, line: str | None = None, **kw
+):
     """One in-process run: (summary, traces)."""
     plans = plan_calls(scenarios, repeat=repeat, line=line)
     clips = ClipBook()

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support_eval import load
 
 from personaplex_voice.engine.generator import PersonaPlexEngine
 from personaplex_voice.eval.runner import run_batched
 from personaplex_voice.eval.speech import ClipBook
 from personaplex_voice.eval.suite import plan_calls
 from personaplex_voice.model.sources import resolve_model
-from support_eval import load
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -5,10 +5,10 @@ the call's audio) must find N and M within one frame, on the wideband and the Tw
 from __future__ import annotations
 
 import pytest
+from support_eval import load, run, scripted_engine
 
 from personaplex_voice.eval.measures import Piece, ScriptPause, ScriptTurn, measure
 from personaplex_voice.eval.vad import Segment
-from support_eval import load, run, scripted_engine
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,7 +93,9 @@ scenarios:
 
 
 async def test_a_pause_longer_than_the_agents_wait_is_taken_over_and_named(tmp_path):
-    summary, _ = await run(load(tmp_path, PAUSES), tmp_path / "out", scripted_engine(1, respond_ms=400, stop_ms=240))
+    summary, _ = await run(
+        load(tmp_path, PAUSES), tmp_path / "out", scripted_engine(1, respond_ms=400, stop_ms=240)
+    )
     (sr,) = summary.scenarios
     (call,) = sr.calls
     pauses = call.measures.pauses

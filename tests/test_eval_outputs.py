@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import soundfile
-
-from personaplex_voice.cli import main
 from support_browser import CHROMIUM, FLAGS
 from support_eval import scenario_file
+
+from personaplex_voice.cli import main
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -62,7 +62,12 @@ def run(tmp_path_factory) -> dict:
     main([*args, "--fdb", str(fdb), "--fail-under", "0.5"])  # returns: the pass rate is above a half
     with pytest.raises(SystemExit) as strict:
         main([*args, "--out", str(root / "strict")])  # the default: every check must pass
-    return {"out": out, "fdb": fdb, "strict_exit": strict.value.code, "results": json.loads((out / "results.json").read_text())}
+    return {
+        "out": out,
+        "fdb": fdb,
+        "strict_exit": strict.value.code,
+        "results": json.loads((out / "results.json").read_text()),
+    }
 
 
 def test_exit_status_follows_fail_under(run):
@@ -118,7 +123,10 @@ def test_results_and_call_files(run):
     assert "How can I help you today?" in greeting["agent_text"]
     question = json.loads((out / by_name["question"]["calls"][0]["files"]["transcript"]).read_text())
     assert [t["text"] for t in question["caller"]] == ["Do you sell running shoes?", "In size ten?"]
-    assert "caller: In size ten?" in (out / by_name["question"]["calls"][0]["files"]["transcript_txt"]).read_text()
+    assert (
+        "caller: In size ten?"
+        in (out / by_name["question"]["calls"][0]["files"]["transcript_txt"]).read_text()
+    )
 
 
 def test_full_duplex_bench_layout(run):
@@ -148,7 +156,9 @@ def test_full_duplex_bench_layout(run):
     pauses = json.loads((fdb / "pause_handling/0/pause.json").read_text())
     assert len(pauses) == 1
     # Each task folder holds sample folders only (the scorers list it).
-    assert all(p.is_dir() for task in ("pause_handling", "smooth_turn_taking") for p in (fdb / task).iterdir())
+    assert all(
+        p.is_dir() for task in ("pause_handling", "smooth_turn_taking") for p in (fdb / task).iterdir()
+    )
 
 
 @pytest.mark.browser
@@ -165,8 +175,13 @@ def test_report_opens_offline_in_chromium_with_plots(run, artifacts_dir: Path):
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             problems: list[str] = []
             page.on("pageerror", lambda exc: problems.append(f"pageerror: {exc}"))
-            page.on("console", lambda msg: problems.append(msg.text) if msg.type in ("error", "warning") else None)
-            page.on("request", lambda req: problems.append(f"request: {req.url}") if req.url.startswith("http") else None)
+            page.on(
+                "console", lambda msg: problems.append(msg.text) if msg.type in ("error", "warning") else None
+            )
+            page.on(
+                "request",
+                lambda req: problems.append(f"request: {req.url}") if req.url.startswith("http") else None,
+            )
             page.goto(report.as_uri())
             page.wait_for_function(
                 "[...document.querySelectorAll('audio')].every(a => a.readyState >= 1 && a.duration > 0)",

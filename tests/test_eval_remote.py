@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from personaplex_voice.cli import main
 from support_eval import scenario_file
 from support_server import running_server
+
+from personaplex_voice.cli import main
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,7 +44,19 @@ def test_url_mode_runs_the_scenarios_against_a_served_echo(tmp_path):
     path = scenario_file(tmp_path, SCENARIOS)
     out = tmp_path / "out"
     with running_server("--max-sessions", "2") as server:
-        main(["eval", str(path), "--url", f"{server.ws_url}/api/chat", "--out", str(out), "--concurrency", "2", "--quiet"])
+        main(
+            [
+                "eval",
+                str(path),
+                "--url",
+                f"{server.ws_url}/api/chat",
+                "--out",
+                str(out),
+                "--concurrency",
+                "2",
+                "--quiet",
+            ]
+        )
         assert server.alive()
     results = json.loads((out / "results.json").read_text())
     assert results["pass_rate"] == 1.0 and results["checks"] == {"passed": 3, "total": 3}

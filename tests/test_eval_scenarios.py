@@ -8,12 +8,12 @@ import sys
 import textwrap
 
 import pytest
+from support_eval import scenario_file
 
 from personaplex_voice.cli import main
 from personaplex_voice.eval.scenario import Dtmf, Pause, Say, Silence, load_scenarios
 from personaplex_voice.eval.suite import plan_calls
 from personaplex_voice.eval.yaml_source import ScenarioError
-from support_eval import scenario_file
 
 GOOD = """
 personas_file: personas.yaml
@@ -80,32 +80,94 @@ def test_a_good_file_loads_with_defaults_templates_and_seeds(tmp_path):
 
 BAD = [
     # (problem in the file, line, words the message must hold)
-    ("unknown key", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script: [{silence: 1s}]\n"
-     "    expect: {respond_within_ms: 500}\n", 5, "unknown key 'respond_within_ms' in expect (did you mean 'responds_within_ms'?)"),
-    ("bad duration", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n      - silence: 1s\n"
-     "      - silence: two seconds\n", 6, "bad duration 'two seconds' for silence"),
-    ("missing persona", "scenarios:\n  - name: a\n    script: [{silence: 1s}]\n", 2, "scenario 'a' has no persona"),
-    ("unknown persona", "personas_file: personas.yaml\nscenarios:\n  - name: a\n    persona: nobody\n"
-     "    script: [{silence: 1s}]\n", 4, "unknown persona 'nobody' (the personas file has: shop)"),
-    ("bad regex", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script: [{silence: 1s}]\n"
-     "    expect:\n      agent_says:\n        - ok\n        - \"(unclosed\"\n", 8, "'(unclosed' is not a regular expression"),
+    (
+        "unknown key",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script: [{silence: 1s}]\n"
+        "    expect: {respond_within_ms: 500}\n",
+        5,
+        "unknown key 'respond_within_ms' in expect (did you mean 'responds_within_ms'?)",
+    ),
+    (
+        "bad duration",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n      - silence: 1s\n"
+        "      - silence: two seconds\n",
+        6,
+        "bad duration 'two seconds' for silence",
+    ),
+    (
+        "missing persona",
+        "scenarios:\n  - name: a\n    script: [{silence: 1s}]\n",
+        2,
+        "scenario 'a' has no persona",
+    ),
+    (
+        "unknown persona",
+        "personas_file: personas.yaml\nscenarios:\n  - name: a\n    persona: nobody\n"
+        "    script: [{silence: 1s}]\n",
+        4,
+        "unknown persona 'nobody' (the personas file has: shop)",
+    ),
+    (
+        "bad regex",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script: [{silence: 1s}]\n"
+        '    expect:\n      agent_says:\n        - ok\n        - "(unclosed"\n',
+        8,
+        "'(unclosed' is not a regular expression",
+    ),
     ("not YAML", "scenarios:\n  - name: a\n   script: [\n", 3, "not valid YAML"),
-    ("undeclared variable", "personas_file: personas.yaml\nscenarios:\n  - name: a\n    persona: shop\n"
-     "    variables: {custmer_name: x}\n    script: [{silence: 1s}]\n", 5, "does not declare the variable 'custmer_name'"),
-    ("unknown line", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    line: twillio\n"
-     "    script: [{silence: 1s}]\n", 4, "unknown line 'twillio' (did you mean 'twilio'?)"),
-    ("missing wav", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n      - wav: nope.wav\n",
-     5, "no such audio file"),
-    ("barge-in without speech", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n"
-     "      - barge_in: {after_agent_speech_ms: 500}\n", 5, "exactly one of say: or wav:"),
-    ("expectation the script cannot meet", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n"
-     "    script: [{silence: 1s}]\n    expect: {stops_within_ms: 300}\n", 5, "needs a barge_in step"),
-    ("action the persona lacks", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n"
-     "    script: [{silence: 1s}]\n    expect: {action: transfer}\n", 5, "has no rule that can transfer"),
-    ("duplicate key", "scenarios:\n  - name: a\n    name: b\n    persona: {text_prompt: x}\n"
-     "    script: [{silence: 1s}]\n", 3, "duplicate key 'name'"),
-    ("bad dtmf", "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n      - dtmf: \"1x\"\n",
-     5, "dtmf must be 1-20 keys"),
+    (
+        "undeclared variable",
+        "personas_file: personas.yaml\nscenarios:\n  - name: a\n    persona: shop\n"
+        "    variables: {custmer_name: x}\n    script: [{silence: 1s}]\n",
+        5,
+        "does not declare the variable 'custmer_name'",
+    ),
+    (
+        "unknown line",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    line: twillio\n"
+        "    script: [{silence: 1s}]\n",
+        4,
+        "unknown line 'twillio' (did you mean 'twilio'?)",
+    ),
+    (
+        "missing wav",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n      - wav: nope.wav\n",
+        5,
+        "no such audio file",
+    ),
+    (
+        "barge-in without speech",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n"
+        "      - barge_in: {after_agent_speech_ms: 500}\n",
+        5,
+        "exactly one of say: or wav:",
+    ),
+    (
+        "expectation the script cannot meet",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n"
+        "    script: [{silence: 1s}]\n    expect: {stops_within_ms: 300}\n",
+        5,
+        "needs a barge_in step",
+    ),
+    (
+        "action the persona lacks",
+        "scenarios:\n  - name: a\n    persona: {text_prompt: x}\n"
+        "    script: [{silence: 1s}]\n    expect: {action: transfer}\n",
+        5,
+        "has no rule that can transfer",
+    ),
+    (
+        "duplicate key",
+        "scenarios:\n  - name: a\n    name: b\n    persona: {text_prompt: x}\n    script: [{silence: 1s}]\n",
+        3,
+        "duplicate key 'name'",
+    ),
+    (
+        "bad dtmf",
+        'scenarios:\n  - name: a\n    persona: {text_prompt: x}\n    script:\n      - dtmf: "1x"\n',
+        5,
+        "dtmf must be 1-20 keys",
+    ),
 ]
 
 
@@ -148,13 +210,24 @@ def test_the_real_command_prints_no_traceback(tmp_path):
         timeout=120,
     )
     assert done.returncode == 2
-    assert done.stderr == f"error: {path}:5: bad duration '1 fortnight' for silence (write it like 2s, 1.5s or 800ms)\n"
+    assert (
+        done.stderr
+        == f"error: {path}:5: bad duration '1 fortnight' for silence (write it like 2s, 1.5s or 800ms)\n"
+    )
     assert "Traceback" not in done.stdout + done.stderr
 
 
 def test_names_are_unique_across_files(tmp_path):
-    a = scenario_file(tmp_path, "scenarios:\n  - name: same\n    persona: {text_prompt: x}\n    script: [{silence: 1s}]\n", "a.yaml")
-    b = scenario_file(tmp_path, "scenarios:\n  - {name: same, persona: {text_prompt: y}, script: [{silence: 1s}]}\n", "b.yaml")
+    a = scenario_file(
+        tmp_path,
+        "scenarios:\n  - name: same\n    persona: {text_prompt: x}\n    script: [{silence: 1s}]\n",
+        "a.yaml",
+    )
+    b = scenario_file(
+        tmp_path,
+        "scenarios:\n  - {name: same, persona: {text_prompt: y}, script: [{silence: 1s}]}\n",
+        "b.yaml",
+    )
     with pytest.raises(ScenarioError, match=f"already used at {a}:2") as raised:
         load_scenarios([a, b])
     assert raised.value.where == f"{b}:2"

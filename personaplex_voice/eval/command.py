@@ -102,6 +102,8 @@ def eval_command(
         raise UserError(f"--line {line}: unknown line; lines: {', '.join(LINES)}")
     if engine not in ("model", "scripted"):
         raise UserError(f"--engine {engine}: choose model or scripted")
+    if url is not None and engine != "model":
+        raise UserError("--engine runs calls in this process; --url runs them on the server: give one")
     if url is not None and not url.startswith(("ws://", "wss://")):
         raise UserError(f"--url {url}: must start with ws:// or wss:// (e.g. ws://host:8998/api/chat)")
     if max_sessions < 1 or concurrency < 1:

@@ -9,7 +9,7 @@ call with a factory for its `LineCodec`.
 | line       | rate   | path                                                                       |
 | ---------- | ------ | -------------------------------------------------------------------------- |
 | `wideband` | 24 kHz | none: the engine's own audio (an in-process pipeline, the reference)        |
-| `twilio`   | 8 kHz  | μ-law both ways through the phone call's audio path (`InboundAudio` / `OutboundAudio`) |
+| `twilio`   | 8 kHz  | μ-law both ways, the phone call's audio path (`InboundAudio`, `OutboundAudio`) |
 | `browser`  | 24 kHz | Ogg-Opus both ways, the `/api/chat` codec of the browser client            |
 """
 

@@ -142,7 +142,8 @@ def timeline_svg(result: CallResult) -> str:
         title = f"pause after turn {p.after_turn}: {'taken over' if p.taken_over else 'agent kept quiet'}"
         parts.append(
             f'<rect class="pause-band {state}" x="{x1:.1f}" y="{CALLER_Y - LANE_H / 2:.1f}" '
-            f'width="{max(0.5, x2 - x1):.1f}" height="{AGENT_Y - CALLER_Y + LANE_H:.1f}"><title>{_e(title)}</title></rect>'
+            f'width="{max(0.5, x2 - x1):.1f}" height="{AGENT_Y - CALLER_Y + LANE_H:.1f}">'
+            f"<title>{_e(title)}</title></rect>"
         )
     media = (
         result.media
@@ -178,7 +179,8 @@ def timeline_svg(result: CallResult) -> str:
         )
     parts.extend(_markers(result, d, limits))
     parts.append(
-        f'<line class="playhead" x1="{X0}" x2="{X0}" y1="{CALLER_Y - LANE_H / 2 - 12:.1f}" y2="{HEIGHT - 12}"/>'
+        f'<line class="playhead" x1="{X0}" x2="{X0}" y1="{CALLER_Y - LANE_H / 2 - 12:.1f}" '
+        f'y2="{HEIGHT - 12}"/>'
     )
     parts.append("</svg>")
     return "".join(parts)
@@ -234,17 +236,29 @@ def _markers(result: CallResult, d: float, limits: dict[str, int]) -> list[str]:
         x = _x(t, d)
         out.append(
             f"<g><title>caller pressed {_e(key)} at {t:.2f} s</title>"
-            f'<line class="marker info" x1="{x:.1f}" x2="{x:.1f}" y1="{CALLER_Y - LANE_H / 2:.1f}" y2="{CALLER_Y + LANE_H / 2:.1f}"/>'
-            f'<text class="marker-label info" x="{x + 2:.1f}" y="{CALLER_Y + LANE_H / 2 - 2:.1f}">key {_e(key)}</text></g>'
+            + _flag(x, CALLER_Y, f"key {_e(key)}", bottom=True)
         )
     for action in result.trace.actions:
         x = _x(action.t, d)
         out.append(
             f"<g><title>{_e(action.what)} ({_e(action.trigger)}) at {action.t:.2f} s</title>"
-            f'<line class="marker info" x1="{x:.1f}" x2="{x:.1f}" y1="{AGENT_Y - LANE_H / 2:.1f}" y2="{AGENT_Y + LANE_H / 2:.1f}"/>'
-            f'<text class="marker-label info" x="{x + 2:.1f}" y="{AGENT_Y - LANE_H / 2 + 10:.1f}">{_e(action.kind)}</text></g>'
+            + _flag(x, AGENT_Y, _e(action.kind), bottom=False)
         )
     return out
+
+
+def _flag(x: float, lane_y: float, label: str, *, bottom: bool) -> str:
+    """A vertical line across a lane with a small label (a key press, an action)."""
+    y1, y2 = lane_y - LANE_H / 2, lane_y + LANE_H / 2
+    text_y = y2 - 2 if bottom else y1 + 10
+    return (
+        f'<line class="marker info" x1="{x:.1f}" x2="{x:.1f}" y1="{y1:.1f}" y2="{y2:.1f}"/>'
+        f'<text class="marker-label info" x="{x + 2:.1f}" y="{text_y:.1f}">{label}</text></g>'
+    )
+
+
+def _state(passed: bool) -> str:
+    return "pass" if passed else "fail"
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -289,7 +303,7 @@ def _scenario_section(sr: ScenarioResult) -> str:
         parts.append(
             f"<tr><td>{_e(e.label)}<br><span class=muted>{_e(e.where)}</span></td>"
             f"<td class=num>{e.passes}/{e.runs}</td>"
-            f'<td class="{"pass" if e.passed else "fail"}">{"pass" if e.passed else "fail"}</td><td>{fails}</td></tr>'
+            f'<td class="{_state(e.passed)}">{_state(e.passed)}</td><td>{fails}</td></tr>'
         )
     parts.append("</table>")
     parts.append(
@@ -314,7 +328,8 @@ def _call_block(call: CallResult) -> str:
     state = "pass" if call.passed else "fail"
     head = (
         f'<div class="call" id="call-{_e(call.id)}"><h3>{_e(call.id)} '
-        f'<span class="muted">seed {trace.plan.seed} · {trace.duration_s:.1f} s · line {_e(trace.plan.line.name)}</span> '
+        f'<span class="muted">seed {trace.plan.seed} · {trace.duration_s:.1f} s · '
+        f"line {_e(trace.plan.line.name)}</span> "
         f'<span class="{state}">{"passed" if call.passed else "failed"}</span></h3>'
     )
     if trace.error:
@@ -349,14 +364,16 @@ def render(summary: RunSummary) -> str:
     run = summary.run
     where = run.get("url") or f"{run.get('engine', '?')} · model {run.get('model', '?')}"
     info = (
-        f"{run.get('calls', 0)} call(s) · {run.get('audio_s', 0):.1f} s of audio in {run.get('wall_s', 0):.1f} s"
+        f"{run.get('calls', 0)} call(s) · {run.get('audio_s', 0):.1f} s of audio "
+        f"in {run.get('wall_s', 0):.1f} s"
         + (f" ({run['x_realtime']:.1f}× real time)" if run.get("x_realtime") else "")
         + f" · {where}"
     )
     body = [
         "<header><h1>Persona eval</h1>",
         f'<p class="muted">{_e(info)}</p>',
-        f'<p class="verdict {state}">{passed} of {total} expectation checks passed ({summary.pass_rate:.0%})</p>',
+        f'<p class="verdict {state}">{passed} of {total} expectation checks passed '
+        f"({summary.pass_rate:.0%})</p>",
         '<p class="legend"><span><i style="background:#1f6feb"></i>caller</span>'
         '<span><i style="background:#d4570a"></i>agent</span>'
         '<span><i style="background:#1a7f37"></i>within limits</span>'

@@ -88,7 +88,7 @@ class CallerScript:
         self.log.pauses = [
             ScriptPause(p.after_turn, p.start, min(p.end, at_s)) for p in self.log.pauses if p.start < at_s
         ]
-        self.log.keys = [k for k in self.log.keys if k[0] < at_s]
+        self.log.keys = [k for k in self.log.keys if k[0] <= at_s]  # a key can end the call itself
         self._i = len(self.script)
 
     # ---- one step ----------------------------------------------------------------------------

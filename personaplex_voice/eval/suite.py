@@ -68,6 +68,7 @@ class _Finisher:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def add(self, trace: CallTrace) -> None:
+        self.progress.call_done(trace.plan.id, trace.error)
         self.pending.append(trace)
         if len(self.pending) >= ANALYSIS_BATCH:
             await self.flush()
@@ -86,7 +87,6 @@ class _Finisher:
                 self.fdb.add(result)
             result.media = prepare_media(result, self.budget)
             result.trace.release_audio()
-            self.progress.call_done(result.id, result.passed)
         return results
 
 
