@@ -45,16 +45,15 @@ class Progress:
                 self._drawn = now
                 self._bar.set_postfix_str(self._postfix(), refresh=True)
 
-    def call_done(self, call_id: str, passed: bool | None = None) -> None:
+    def call_done(self, call_id: str, error: str | None = None) -> None:
         self.calls += 1
         if self._bar is not None:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
             self._bar.update(1)
         elif self.enabled:
-            verdict = "" if passed is None else (" passed" if passed else " FAILED")
+            how = f"failed: {error}" if error else "done"
             print(
-                f"eval: call {self.calls}/{self.total} {call_id}{verdict} ({self._postfix()})",
-                file=self.stream,
+                f"eval: call {self.calls}/{self.total} {call_id} {how} ({self._postfix()})", file=self.stream
             )
 
     def close(self) -> None:
