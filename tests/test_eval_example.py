@@ -30,7 +30,9 @@ async def test_the_waste_service_example_runs_as_documented(tmp_path):
     assert "Upcoming pickup: Tuesday the fourteenth" in plan.persona.text_prompt
     assert "The caller's number is +15550100000" in plan.persona.text_prompt
 
-    engine = scripted_engine(5, respond_ms=300, stop_ms=200, greet=True, replies=(GREETING,))
+    # The agent greets, then answers with one long sentence (a barge-in 1.2 s into it lands mid-speech).
+    replies = (GREETING, "Let me look up the collection schedule for your street and your bins.")
+    engine = scripted_engine(5, respond_ms=300, stop_ms=200, greet=True, replies=replies)
     summary, traces = await run(scenarios, tmp_path / "out", engine)
     results = {sr.scenario.name: sr for sr in summary.scenarios}
     verdicts = {(name, e.label): e.passed for name, sr in results.items() for e in sr.expectations}

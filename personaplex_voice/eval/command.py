@@ -120,6 +120,13 @@ def eval_command(
     plans = plan_calls(loaded, repeat=repeat, base_seed=seed, line=line)
     clips = ClipBook()
     clips.add_scenarios(loaded)
+    for option, folder in (("--out", out), ("--fdb", fdb)):
+        if folder is None:
+            continue
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"{option} {folder}: cannot make the folder ({exc.strerror or exc})") from None
 
     built = None
     run_info: dict = {

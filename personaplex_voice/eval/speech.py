@@ -1,9 +1,9 @@
 """The caller's voice: `say` lines synthesised with espeak-ng, `wav` steps read from files.
 
-Every clip is 24 kHz float32 mono with its leading and trailing silence cut, so a script's
-`silence: 2s` is two seconds of silence, not two seconds plus whatever the synthesiser left at
-the ends. Clips are made once per run (`ClipBook`): repeats and scenarios that say the same line
-share it.
+Every synthesised clip is 24 kHz float32 mono with its leading and trailing silence (and
+breath-level lead-in or tail) cut, so a script's `silence: 2s` is two seconds of silence, not
+two seconds plus whatever the synthesiser left at the ends. `wav` files are played as given.
+Clips are made once per run (`ClipBook`): repeats and scenarios that say the same line share it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from personaplex_voice.engine.base import SAMPLE_RATE
 from personaplex_voice.errors import UserError
 
 from .scenario import CallerVoice, Say, Scenario, Wav, speech_of
+from .vad import BLOCK_S, REFINE_DROP_DB
 from .yaml_source import ScenarioError
 
 ESPEAK = "espeak-ng"
@@ -30,10 +31,21 @@ SYNTH_TIMEOUT_S = 60.0
 
 
 def trim(pcm: np.ndarray, level: float = TRIM_LEVEL) -> np.ndarray:
-    loud = np.flatnonzero(np.abs(pcm) > level)
+    """The clip from its first to its last *sounding* 10 ms block (within `vad.REFINE_DROP_DB` of
+    the clip's loud blocks, as the measures hear sound), each end cut to the sample where the
+    signal passes `level`: a synthesiser's breathy lead-in or tail is not speech."""
+    block = round(SAMPLE_RATE * BLOCK_S)
+    n = len(pcm) // block
+    if n == 0:
+        return pcm[:0]
+    power = np.mean(pcm[: n * block].reshape(n, block).astype(np.float64) ** 2, axis=1)
+    db = 10 * np.log10(power + 1e-12)
+    sounding = np.flatnonzero(db >= np.percentile(db, 95) - REFINE_DROP_DB)
+    first, last = sounding[0] * block, (sounding[-1] + 1) * block
+    loud = np.flatnonzero(np.abs(pcm[first:last]) > level)
     if loud.size == 0:
         return pcm[:0]
-    return pcm[loud[0] : loud[-1] + 1]
+    return pcm[first + loud[0] : first + loud[-1] + 1]
 
 
 def synthesize(text: str, voice: CallerVoice, where: str = "say") -> np.ndarray:

@@ -5,12 +5,14 @@ Speech probability comes from silero-vad at 16 kHz, one value per 512-sample (32
 the model's state carried from window to window. Segments follow by hysteresis: speech starts at
 a window with probability >= `ON`, ends at the first window below `OFF` that begins `MIN_SILENCE`
 of silence; segments shorter than `MIN_SPEECH` are dropped. silero's boundaries are whole windows
-and its probability lags the sound at the end of speech (by 50-100 ms on synthetic speech), so
-each boundary is then moved, within `REFINE` of where the VAD put it, to where the sound itself
-starts or stops: the first (last) 10 ms block whose level is within `REFINE_DROP_DB` of the
-segment's loud blocks (its 95th percentile), and a segment is split where such blocks are more
-than `MIN_SILENCE` apart (silero's lag can bridge a short pause). The VAD decides *whether* there
-is speech; the signal says exactly *when*.
+and its probability lags the sound (by 50-100 ms on synthetic speech, more on a weak final
+consonant), so each boundary is then moved to where the sound itself starts or stops, in 10 ms
+blocks: a block *sounds* when its level is within `REFINE_DROP_DB` of the segment's loud blocks
+(their 95th percentile, and above `FLOOR_DB`); from the first and last sounding blocks inside the
+segment the boundaries follow sounding blocks outwards while they are less than `MIN_SILENCE`
+apart (up to `REFINE` beyond the VAD's boundary), and the segment is split wherever its sounding
+blocks are `MIN_SILENCE` or more apart (silero's lag can bridge a short pause). The VAD decides
+*whether* there is speech; the signal says exactly *when*.
 docs/eval.md states the same numbers.
 """
 
@@ -30,7 +32,7 @@ WINDOW_S = WINDOW / VAD_RATE
 ON, OFF = 0.5, 0.35
 MIN_SPEECH_S = 0.09
 MIN_SILENCE_S = 0.2
-REFINE_S = 0.15
+REFINE_S = 0.3
 BLOCK_S = 0.01
 REFINE_DROP_DB = 30.0
 FLOOR_DB = -60.0  # blocks quieter than this are never speech
@@ -133,7 +135,7 @@ def refine(segments: list[Segment], signal: np.ndarray) -> list[Segment]:
     power = np.mean(signal[: n_blocks * block].reshape(n_blocks, block).astype(np.float64) ** 2, axis=1)
     level = 10 * np.log10(power + 1e-12)
     reach = round(REFINE_S / BLOCK_S)
-    quiet_run = round(MIN_SILENCE_S / BLOCK_S)
+    gap = round(MIN_SILENCE_S / BLOCK_S)  # quieter blocks than this many in a row end a segment
     out: list[Segment] = []
     for seg in segments:
         a, b = int(seg.start / BLOCK_S), min(n_blocks, int(np.ceil(seg.end / BLOCK_S)))
@@ -143,13 +145,18 @@ def refine(segments: list[Segment], signal: np.ndarray) -> list[Segment]:
         low = max(0, a - reach, round(out[-1].end / BLOCK_S) if out else 0)
         high = min(n_blocks, b + reach)
         voiced = np.flatnonzero(level[low:high] >= threshold) + low
-        first = voiced[voiced < a + reach]
-        last = voiced[voiced >= b - reach]
-        start = int(first[0]) if first.size else a
-        end = int(last[-1]) + 1 if last.size else b
-        inside = voiced[(voiced >= start) & (voiced < end)]
-        cuts = np.flatnonzero(np.diff(inside) > quiet_run) if inside.size else np.zeros(0, int)
-        bounds = [start, *(v for c in cuts for v in (int(inside[c]) + 1, int(inside[c + 1]))), end]
+        inside = np.flatnonzero((voiced >= a) & (voiced < b))
+        if inside.size == 0:
+            continue  # nothing in it stands out from its surroundings
+        first, last = int(inside[0]), int(inside[-1])
+        while first > 0 and voiced[first] - voiced[first - 1] <= gap:  # the sound began earlier
+            first -= 1
+        while last + 1 < len(voiced) and voiced[last + 1] - voiced[last] <= gap:  # it went on
+            last += 1
+        run = voiced[first : last + 1]
+        cuts = np.flatnonzero(np.diff(run) > gap)
+        inner = (v for c in cuts for v in (int(run[c]) + 1, int(run[c + 1])))
+        bounds = [int(run[0]), *inner, int(run[-1]) + 1]
         for s0, s1 in zip(bounds[::2], bounds[1::2], strict=True):
             if (s1 - s0) * BLOCK_S >= MIN_SPEECH_S:
                 out.append(Segment(round(s0 * BLOCK_S, 3), round(s1 * BLOCK_S, 3)))
