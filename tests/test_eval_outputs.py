@@ -170,7 +170,7 @@ def test_report_opens_offline_in_chromium_with_plots(run, artifacts_dir: Path):
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page_html)  # nothing from the network
     assert page_html.count('<svg class="timeline"') == 3 * REPEAT
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[*FLAGS, "--offline"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             problems: list[str] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib.util
 from pathlib import Path
 from typing import Annotated
 
@@ -110,6 +111,9 @@ def eval_command(
         raise UserError("--max-sessions and --concurrency must be at least 1")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
+
+    if importlib.util.find_spec("silero_vad") is None:
+        raise UserError("eval measures calls with silero-vad: pip install 'personaplex-voice[eval]'")
 
     from .progress import Progress
     from .scenario import load_scenarios
