@@ -231,3 +231,16 @@ def test_names_are_unique_across_files(tmp_path):
     with pytest.raises(ScenarioError, match=f"already used at {a}:2") as raised:
         load_scenarios([a, b])
     assert raised.value.where == f"{b}:2"
+
+
+def test_a_voice_the_engine_lacks_is_refused_before_any_call(tmp_path, capsys):
+    path = scenario_file(
+        tmp_path,
+        "scenarios:\n  - name: v\n    persona: {text_prompt: hi, voice: NOPE}\n    script: [{silence: 1s}]\n",
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["eval", str(path), "--out", str(tmp_path / "out"), "--engine", "scripted", "--quiet"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:3: scenario 'v': unknown voice 'NOPE'") and err.count("\n") == 1
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -241,4 +241,5 @@ def _preflight(engine, plans) -> None:
         try:
             engine.prepare(plan.persona)
         except PersonaError as exc:
-            raise ScenarioError(plan.scenario.where, f"scenario {plan.scenario.name!r}: {exc}") from None
+            where = plan.scenario.persona_where or plan.scenario.where
+            raise ScenarioError(where, f"scenario {plan.scenario.name!r}: {exc}") from None

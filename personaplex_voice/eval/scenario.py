@@ -174,6 +174,7 @@ class Scenario:
     pass_rate: float = 1.0
     fdb_task: str | None = None
     description: str = ""
+    persona_where: str = ""  # where the persona was given (the engine's refusals point there)
 
     def call_facts(self) -> dict[str, str]:
         """The call's own From/To/CallSid for prompt templates (a scenario may set them)."""
@@ -263,6 +264,7 @@ def _scenario(path: Path, item: Located, defaults: Located, book: phone.PersonaB
         raise ScenarioError(item.where("description"), "description must be text")
 
     persona_name, spec = _persona(item, defaults, book, name, where)
+    persona_where = _pick(item, defaults, "persona")[1] or where
     variables = _variables(item, defaults, spec, persona_name)
 
     line, line_where = _pick(item, defaults, "line")
@@ -305,6 +307,7 @@ def _scenario(path: Path, item: Located, defaults: Located, book: phone.PersonaB
         pass_rate=float(pass_rate),
         fdb_task=fdb_task,
         description=description,
+        persona_where=persona_where,
     )
 
 
