@@ -5,6 +5,7 @@
 | `serve`          | `personaplex_voice.serve_command.serve`          |
 | `offline`        | `personaplex_voice.offline.offline`              |
 | `voices list/make` | `personaplex_voice.voices_cli.app`             |
+| `eval`           | `personaplex_voice.eval.command.eval_command` (needs the `eval` extra to run) |
 | `call`           | `personaplex_twilio.cli.call` (needs the `twilio` extra) |
 | `bundle`         | `personaplex_voice.deploy.bundle.bundle` (offline install bundle) |
 
@@ -64,6 +65,7 @@ def _register_group(name: str, target: str) -> None:
 _register_command("serve", "personaplex_voice.serve_command:serve")
 _register_command("offline", "personaplex_voice.offline:offline")
 _register_group("voices", "personaplex_voice.voices_cli:app")
+_register_command("eval", "personaplex_voice.eval.command:eval_command")
 _register_command("call", "personaplex_twilio.cli:call")
 _register_command("bundle", "personaplex_voice.deploy.bundle:bundle")
 

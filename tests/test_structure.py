@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "offline": 6,
     "voices_cli": 6,
     "deploy": 6,
+    "eval": 6,
     "cli": 6,
 }
 # What cluster/ may take from server/: the ASGI app a front-end serves.
