@@ -1,7 +1,7 @@
 """Outgoing HTTP POSTs of the bridge (context lookups, post-call webhooks), bounded in time and size.
 
 A few requests per call, never per audio frame, so each uses its own short-lived aiohttp session
-(aiohttp comes with the `twilio` extra): nothing to keep alive or to close at shutdown.
+(aiohttp comes with the `phone` extra): nothing to keep alive or to close at shutdown.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""Playout: one stream's agent audio, from the session's frames to paced `media` messages.
+"""Playout: one stream's agent audio, from the session's frames to paced media messages.
 
 Two tasks per stream: the frame reader takes each 80 ms session frame the moment the engine
-delivers it, converts it to four 20 ms μ-law payloads and puts them (and a mark after each frame)
-in a bounded outbox; the pacer sends from the outbox at real time, keeping Twilio's buffer at
-the playout cushion plus one message (see playback_buffer.py). An outbox grown past
-`max_buffered_ms` (the engine ran ahead) loses its oldest audio: latency stays bounded.
+delivers it, converts it to four 20 ms payloads in the stream's outbound format and puts them
+(and a mark after each frame) in a bounded outbox; the pacer sends from the outbox at real time,
+keeping the carrier's buffer at the playout cushion plus one message (see playback_buffer.py).
+An outbox grown past `max_buffered_ms` (the engine ran ahead) loses its oldest audio: latency
+stays bounded. The messages themselves are the carrier's (its StreamWire formats them).
 
 Hooks let the call see what goes out without owning any of it: `on_frame` gets every session
-frame as it is read (its text piece, its pcm), `on_sent` every payload with the time Twilio will
-start playing it (the recording's agent channel is placed there).
+frame as it is read (its text piece, its pcm), `on_sent` every payload with the time the carrier
+will start playing it (the recording's agent channel is placed there).
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from typing import Any
 
 from starlette.websockets import WebSocketDisconnect
 
-from .audio_path import CHUNK_BYTES, OutboundAudio
+from .audio_path import OutboundAudio, silence_chunk
+from .carrier import MULAW_8K, AudioFormat, Outgoing, StreamWire
 from .playback_buffer import CHUNK_S, FrameJitter, MarkTracker, PlaybackClock, percentile
-from .wire import OutboundMessages
-
-SILENCE_CHUNK = b"\xff" * CHUNK_BYTES  # μ-law zero
 
 OnFrame = Callable[[Any], None]  # a session OutFrame
-OnSent = Callable[[bytes, float], None]  # (payload, monotonic time Twilio starts playing it)
+OnSent = Callable[[bytes, float], None]  # (payload, monotonic time the carrier starts playing it)
 
 
 class SendFailed(Exception):
@@ -39,7 +38,7 @@ class SendFailed(Exception):
 class Playout:
     def __init__(
         self,
-        send_text: Callable[[str], Awaitable[None]],
+        send: Callable[[Outgoing], Awaitable[None]],
         *,
         max_queued_ms: float,
         playout_cushion_ms: float,
@@ -47,11 +46,12 @@ class Playout:
         on_frame: OnFrame | None = None,
         on_sent: OnSent | None = None,
     ):
-        self._send_text = send_text
+        self._send = send
         self._on_frame = on_frame
         self._on_sent = on_sent
-        self.messages = OutboundMessages("")  # set by `start_stream`
+        self.messages: StreamWire | None = None  # set by `start_stream`
         self.outbound = OutboundAudio()
+        self._silence = silence_chunk(MULAW_8K)
         self.clock = PlaybackClock(
             max_queued_s=max_queued_ms / 1000,
             target_s=(round(playout_cushion_ms / 1000 / CHUNK_S) + 1) * CHUNK_S,
@@ -60,7 +60,7 @@ class Playout:
         self.jitter = FrameJitter()
         self._buffer_limit = max(1, round(max_buffered_ms / 1000 / CHUNK_S))
         # Outbound audio not yet sent: 160-byte payloads, and mark names (str) after each frame.
-        self._outbox: deque[bytes | str] = deque()
+        self._outbox: deque[bytes | str] = deque()  # payloads, and mark names (str)
         self._outbox_ready = asyncio.Event()
         self._frames_done = False
         self._outbox_chunks = 0  # payloads (not marks) in the outbox
@@ -71,15 +71,19 @@ class Playout:
         self.max_send_gap_s = 0.0  # longest wait between two of our media messages
         self._last_send = 0.0
 
-    def start_stream(self, stream_sid: str) -> None:
-        self.messages = OutboundMessages(stream_sid)
+    def start_stream(self, messages: StreamWire, fmt: AudioFormat) -> None:
+        """The stream has started: its messages and its outbound format (before any frame)."""
+        self.messages = messages
+        if fmt != self.outbound.format:
+            self.outbound = OutboundAudio(fmt)
+            self._silence = silence_chunk(fmt)
 
-    # --- Twilio's side -------------------------------------------------------------------------
+    # --- the carrier's side --------------------------------------------------------------------
     def mark_echoed(self, name: str) -> None:
         self.marks.echo(name, self.clock.sent_s)
 
     def cleared(self) -> None:
-        """We sent `clear`: Twilio dropped what it held of ours."""
+        """We sent `clear`: the carrier dropped what it held of ours."""
         self.clock.cleared(time.monotonic())
         self.marks.drop_all()
 
@@ -117,8 +121,8 @@ class Playout:
             self._outbox_ready.set()
 
     async def _pace(self) -> None:
-        """A 20 ms message whenever Twilio's buffer has room under the target, marks as they come.
-        An empty Twilio buffer is first refilled with the cushion."""
+        """A 20 ms message whenever the carrier's buffer has room under the target, marks as they
+        come. An empty buffer there is first refilled with the cushion."""
         while True:
             if not self._outbox:
                 if self._frames_done:
@@ -130,17 +134,17 @@ class Playout:
             if isinstance(item, bytes):
                 self._outbox_chunks -= 1
             else:
-                await self._send_text(self.messages.mark(item))
+                await self._send(self.messages.mark(item))  # type: ignore[union-attr]
                 self.marks.add(item, self.clock.sent_s)
                 continue
             if self.clock.needs_prime(time.monotonic()):
                 if self.clock.started:
-                    # Twilio ran dry: this call's engine frames come later than the cushion
+                    # The carrier ran dry: this call's engine frames come later than the cushion
                     # covers. Grow it by a message (up to the limit), like a jitter buffer.
                     self._cushion_chunks = min(self._cushion_chunks + 1, self._max_cushion_chunks)
                     self.clock.target_s = (self._cushion_chunks + 1) * CHUNK_S
                 for _ in range(self._cushion_chunks):
-                    await self._send_chunk(SILENCE_CHUNK)
+                    await self._send_chunk(self._silence)
             await self._send_chunk(item)
 
     async def _send_chunk(self, chunk: bytes) -> None:
@@ -149,7 +153,7 @@ class Playout:
         if wait > 0:
             await asyncio.sleep(wait)
             now = time.monotonic()
-        await self._send_text(self.messages.media(chunk))
+        await self._send(self.messages.media(chunk))  # type: ignore[union-attr]
         plays_at = max(now, self.clock.play_end)
         self.clock.sent(now, CHUNK_S)
         if self._on_sent is not None:

@@ -1,20 +1,20 @@
-"""One phone call as the bridge keeps it: its session, record, recording and rule state.
+"""One phone call as the bridge keeps it: its session, its journal, recording and rule state.
 
-A call usually has one Media Stream. A `play … then: resume` action gives it a second: Twilio
-ends the first stream to say the message, then our webhook answers its `<Redirect>` with a new
-stream, and the call (its session included, the conversation going on) moves over. Between the
-two it is *parked*: `Parking` keeps the session fed with silence and gives the call up (ending
-it) when it does not come back in time.
+A call usually has one media stream. A `play … then: resume` action gives it a second: the
+carrier ends the first stream to say the message, then comes back (through our answer webhook,
+or straight to a stream URL where the carrier can be told one) on a new stream, and the call
+(its session included, the conversation going on) moves over. Between the two it is *parked*:
+`Parking` keeps the session fed with silence and gives the call up (ending it) when it does not
+come back in time.
 
-Everything a call writes (record, events, recording) goes through here; what ends a call (its
-finish: record closed, recording closed, webhook sent) happens once.
+Everything a call writes goes through its journal (journal.py, the record's one writer); what
+ends a call (its finish: record closed, recording closed, webhook sent) happens once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -28,9 +28,11 @@ import numpy as np
 from personaplex_voice.engine.base import FRAME_SIZE
 
 from .actions import ActionMatcher, ActionRule
+from .carrier import CallHandle
+from .journal import CallJournal
 from .personas import PersonaSpec
 from .recording import CallRecording
-from .records import MAX_TRANSCRIPT, CallFiles, CallRecord, RecordStore
+from .records import RecordStore
 from .webhooks import PostCallWebhooks
 
 log = logging.getLogger(__name__)
@@ -40,12 +42,15 @@ FLUSH_EVERY_S = 1.0
 
 @dataclass
 class CallOutputs:
-    """Where calls' records go: the records folder (None: memory only), the post-call webhooks."""
+    """Where calls' records go: the records folder, the post-call webhooks. `recordings` is
+    False when the folder is a private temporary one (records but no recordings without
+    `--records-dir`)."""
 
     store: RecordStore | None
     webhooks: PostCallWebhooks
     default_secret: str
     live_sids: Callable[[], set[str]]  # calls whose folders retention must keep
+    recordings: bool = True
 
     def secret_for(self, spec: PersonaSpec) -> str | None:
         if spec.webhook_secret_env:
@@ -54,74 +59,84 @@ class CallOutputs:
 
 
 class PhoneCall:
-    def __init__(self, spec: PersonaSpec, record: CallRecord, outputs: CallOutputs, public_base: str):
+    def __init__(
+        self,
+        spec: PersonaSpec,
+        journal: CallJournal,
+        outputs: CallOutputs,
+        public_base: str,
+        *,
+        stream_id: str,
+        variables: dict[str, str],
+        caller_rate: int = 8000,
+        agent_rate: int = 8000,
+    ):
         self.spec = spec
-        self.record = record
+        self.journal = journal
         self.outputs = outputs
         self.public_base = public_base
-        self.call_sid = record.call_sid
+        self.call_sid = journal.call_id
+        self.handle = CallHandle(self.call_sid, public_base=public_base)  # the stream sets the rest
         self.matcher = ActionMatcher(spec.actions)
         self.session: Any = None
         self.started_at = time.monotonic()  # for the call's length limit, across its streams
         self.t0: float | None = None  # the caller's first audio: time 0 of transcript and recording
-        self.files: CallFiles | None = None
         self.recording: CallRecording | None = None
         self._flushed_at = 0.0
-        self._final: dict[str, Any] | None = None
         self.finished = False
-        record.live = True
-        record.started_at = time.time()
-        if outputs.store is not None:
+        files = journal.stream_started(stream_id, spec.name, variables, keep_files=True)
+        if files is not None and spec.record and outputs.recordings:
             try:
-                self.files = outputs.store.open_call(self.call_sid)
-                if spec.record:
-                    self.recording = CallRecording(self.files.recording_path)
-                    record.recording = True
-            except (OSError, ValueError) as exc:
-                log.warning("twilio: call %s is not recorded: %s", self.call_sid, exc)
-                self.files = self.recording = None
-        self.save_record()
+                self.recording = CallRecording(
+                    files.recording_path, max(caller_rate, agent_rate), caller_rate, agent_rate
+                )
+                journal.recording(True)
+                journal.save()
+            except OSError as exc:
+                log.warning("phone: call %s is not recorded: %s", self.call_sid, exc)
+
+    @property
+    def record(self) -> Any:
+        return self.journal.record
 
     # --- while the call runs (the stream's tasks call these; each is cheap) -------------------
     def session_started(self, session: Any) -> None:
         self.session = session
-        self.record.session_id = str(getattr(session, "id", ""))
-        self.record.prompt = getattr(getattr(session, "persona", None), "text_prompt", None)
-        self.save_record()
+        prompt = getattr(getattr(session, "persona", None), "text_prompt", None)
+        self.journal.session_started(str(getattr(session, "id", "")), prompt)
 
-    def new_stream(self) -> None:
-        """A second stream of this call starts: its chunk numbers start again at 1."""
+    def new_stream(self, stream_id: str) -> None:
+        """A second stream of this call starts: its chunk numbers start again."""
+        self.journal.stream_started(stream_id, self.spec.name, self.record.variables, keep_files=True)
         if self.recording is not None:
             self.recording.new_stream()
 
-    def caller_media(self, ulaw: bytes, chunk: int | None, now: float) -> None:
+    def caller_media(self, pcm: np.ndarray | None, chunk: int | None, now: float) -> None:
+        """A caller payload (decoded at its line rate; None when nothing records it)."""
         if self.t0 is None:
             self.t0 = self._flushed_at = now
-        if self.recording is not None:
-            self.recording.caller(ulaw, chunk, now)
-        if self.files is not None and now - self._flushed_at >= FLUSH_EVERY_S:
+        if self.recording is not None and pcm is not None:
+            self.recording.caller(pcm, chunk, now)
+        if now - self._flushed_at >= FLUSH_EVERY_S:
             self._flushed_at = now
-            self.files.flush()
+            self.journal.flush()
 
-    def agent_sent(self, ulaw: bytes, plays_at: float) -> None:
+    def agent_sent(self, pcm: np.ndarray, plays_at: float) -> None:
         if self.recording is not None:
-            self.recording.agent(ulaw, plays_at)
+            self.recording.agent(pcm, plays_at)
+
+    @property
+    def records_audio(self) -> bool:
+        return self.recording is not None
 
     def agent_text(self, text: str, frame: int, now: float) -> list[tuple[ActionRule, str]]:
         """An agent text piece: into the transcript; returns the rules it fires (with the
         phrase that fired each)."""
-        piece = {"t": round(now - (self.t0 or now), 3), "frame": frame, "text": text}
-        if len(self.record.transcript) < MAX_TRANSCRIPT:
-            self.record.transcript.append(piece)
-        if self.files is not None:
-            self.files.event("text", **piece)
+        self.journal.transcript({"t": round(now - (self.t0 or now), 3), "frame": frame, "text": text})
         return self.matcher.on_agent_text(text)
 
     def dtmf(self, digit: str) -> list[ActionRule]:
-        at = time.time()
-        self.record.events.append((at, f"dtmf:{digit}"))
-        if self.files is not None:
-            self.files.event("dtmf", digit=digit, at=at)
+        self.journal.dtmf(digit)
         return self.matcher.on_dtmf(digit)
 
     def log_action(self, rule: ActionRule, trigger: str, ok: bool, detail: str = "") -> None:
@@ -136,69 +151,40 @@ class PhoneCall:
         }
         if detail:
             entry["detail"] = detail
-        self.record.actions.append(entry)
-        if self.files is not None:
-            self.files.event("action", **entry)
+        self.journal.action(entry)
         log.info(
-            "twilio: call %s: %s on %s (%s)",
+            "phone: call %s: %s on %s (%s)",
             self.call_sid,
             rule.describe(),
             trigger,
-            "ok" if ok else "failed",
+            "ok" if ok else f"failed{': ' + detail if detail else ''}",
         )
-
-    def save_record(self) -> None:
-        if self.files is not None:
-            self.files.write_record(self.record.to_dict())
 
     # --- the end ---------------------------------------------------------------------------------
     async def finish(self, reason: str, metrics: dict[str, Any]) -> None:
-        """The call is over: close the record and the recording, send the webhook. Once."""
+        """The call is over: close the recording and the record, send the webhook. Once."""
         if self.finished:
             return
         self.finished = True
-        record = self.record
-        record.live = False
-        record.end_reason = reason
-        record.ended_at = time.time()
-        record.metrics = metrics
+        recording_s = None
         if self.recording is not None:
             with contextlib.suppress(OSError):
-                record.recording_s = round(self.recording.close(time.monotonic()), 3)
-        if self.files is not None:
-            self.files.flush()
-        snapshot = record.to_dict()
-        if self.spec.webhook_url and record.recording and self.files is not None:
-            snapshot["recording_url"] = f"{self.public_base}/twilio/calls/{self.call_sid}/recording"
-        files, outputs = self.files, self.outputs
-        # JSON of a long call's transcript takes milliseconds: not on the event loop.
-        body = await asyncio.to_thread(_encode_and_save, files, snapshot)
-        if files is not None:
-            record.transcript = []  # it is on disk now; the call list keeps only the summary
+                recording_s = round(self.recording.close(time.monotonic()), 3)
+        extra = {}
+        if self.spec.webhook_url and self.recording is not None:
+            # Served under the carrier's own prefix too (and /phone/calls), behind the API key.
+            carrier = self.record.carrier or "phone"
+            extra["recording_url"] = f"{self.public_base}/{carrier}/calls/{self.call_sid}/recording"
+        body = await self.journal.finish(reason, metrics, recording_s, extra)
+        outputs = self.outputs
         if self.spec.webhook_url:
-            # Kept until the delivery's outcome is written into it (the record on disk).
-            self._final = snapshot
             outputs.webhooks.send(
-                self.spec.webhook_url, outputs.secret_for(self.spec), body, on_done=self._webhook_done
+                self.spec.webhook_url, outputs.secret_for(self.spec), body, on_done=self.journal.webhook_done
             )
         store = outputs.store
         if store is not None and store.sweep_due():
             keep = outputs.live_sids()
             await asyncio.to_thread(store.sweep, keep)
-
-    def _webhook_done(self, outcome: dict[str, Any]) -> None:
-        self.record.webhook = outcome
-        snapshot, self._final = self._final, None
-        if self.files is not None and snapshot is not None:
-            snapshot["webhook"] = outcome
-            snapshot.pop("recording_url", None)
-            asyncio.get_running_loop().run_in_executor(None, self.files.write_record, snapshot)
-
-
-def _encode_and_save(files: CallFiles | None, snapshot: dict[str, Any]) -> bytes:
-    if files is not None:
-        files.write_record(snapshot)
-    return json.dumps(snapshot, separators=(",", ":")).encode()
 
 
 # --- parking ----------------------------------------------------------------------------------------

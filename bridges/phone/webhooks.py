@@ -83,7 +83,7 @@ class PostCallWebhooks:
         """Start delivering `body` (the record's JSON) to `url`; `on_done` gets the outcome."""
         while len(self._tasks) >= MAX_PENDING:
             oldest = next(iter(self._tasks))
-            log.warning("twilio: too many webhook deliveries pending: giving up on %s", self._tasks[oldest])
+            log.warning("phone: too many webhook deliveries pending: giving up on %s", self._tasks[oldest])
             oldest.cancel()
             self._tasks.pop(oldest, None)
         task = asyncio.get_running_loop().create_task(self._deliver(url, secret, body, on_done))
@@ -113,7 +113,7 @@ class PostCallWebhooks:
                 break
             if (status is not None and not _retryable(status)) or time.monotonic() + backoff > deadline:
                 self.failed += 1
-                log.warning("twilio: webhook %s failed after %d attempt(s): %s", url, attempts, error)
+                log.warning("phone: webhook %s failed after %d attempt(s): %s", url, attempts, error)
                 outcome = {
                     "url": url,
                     "delivered": False,
@@ -123,7 +123,7 @@ class PostCallWebhooks:
                 }
                 break
             log.info(
-                "twilio: webhook %s attempt %d failed (%s); retrying in %.1f s", url, attempts, error, backoff
+                "phone: webhook %s attempt %d failed (%s); retrying in %.1f s", url, attempts, error, backoff
             )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)

@@ -20,10 +20,15 @@ personas:
     goodbye: "We are out of time. Goodbye."
     actions: [...]               # see actions.py
 numbers:
-  "+15551230001": receptionist   # called number (E.164) -> persona name
+  "+15551230001": receptionist   # called number (E.164) -> persona name, on every carrier
+carriers:                        # optional: pins for calls that come in through one carrier
+  telnyx:
+    default: billing             # that carrier's calls to numbers not listed anywhere
+    numbers: {"+15551230002": billing}
 ```
-JSON with the same structure works too (`.json`). Without a file there is one persona, `default`,
-with an empty prompt and the engine's default voice.
+A call's persona: the carrier's own pin for the number, else the number's, else the carrier's
+default, else `default`. JSON with the same structure works too (`.json`). Without a file there
+is one persona, `default`, with an empty prompt and the engine's default voice.
 """
 
 from __future__ import annotations
@@ -196,6 +201,49 @@ def plain_spec(name: str, persona: Persona) -> PersonaSpec:
     return PersonaSpec(name=name, persona=persona, template=PromptTemplate(((persona.text_prompt, None),)))
 
 
+@dataclass(frozen=True)
+class CarrierPins:
+    """The personas file's `carriers.<name>`: numbers and a default for that carrier's calls."""
+
+    numbers: Mapping[str, str] = field(default_factory=dict)
+    default: str | None = None
+
+
+def _numbers(raw: object, specs: Mapping[str, PersonaSpec], where: str) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise PersonaError(f"{where} must map numbers to persona names")
+    numbers: dict[str, str] = {}
+    for number, name in raw.items():
+        if name not in specs:
+            raise PersonaError(f"number {number}: persona {name!r} is not defined under `personas`")
+        numbers[normalize_number(str(number))] = name
+    return numbers
+
+
+def _carrier_pins(raw: object, specs: Mapping[str, PersonaSpec]) -> dict[str, CarrierPins]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise PersonaError("`carriers` must map carrier names to {numbers, default}")
+    pins: dict[str, CarrierPins] = {}
+    for carrier, spec in raw.items():
+        if not isinstance(carrier, str) or not _VARIABLE.match(carrier):
+            raise PersonaError(f"carriers: bad carrier name {carrier!r}")
+        if not isinstance(spec, dict) or set(spec) - {"numbers", "default"}:
+            raise PersonaError(f"carriers.{carrier} takes `numbers` and `default` only")
+        default = spec.get("default")
+        if default is not None and default not in specs:
+            raise PersonaError(
+                f"carriers.{carrier}: default persona {default!r} is not defined under `personas`"
+            )
+        pins[carrier.lower()] = CarrierPins(
+            _numbers(spec.get("numbers"), specs, f"carriers.{carrier}.numbers"), default
+        )
+    return pins
+
+
 @dataclass
 class PersonaBook:
     specs: dict[str, PersonaSpec] = field(
@@ -203,6 +251,7 @@ class PersonaBook:
     )
     numbers: dict[str, str] = field(default_factory=dict)
     default: str = DEFAULT_NAME
+    carriers: dict[str, CarrierPins] = field(default_factory=dict)
 
     @property
     def personas(self) -> dict[str, Persona]:
@@ -213,7 +262,7 @@ class PersonaBook:
     def from_dict(cls, data: dict[str, Any]) -> PersonaBook:
         if not isinstance(data, dict):
             raise PersonaError("the personas file must hold a mapping with `personas`, `numbers`, `default`")
-        unknown = set(data) - {"personas", "numbers", "default"}
+        unknown = set(data) - {"personas", "numbers", "default", "carriers"}
         if unknown:
             raise PersonaError(f"unknown top-level keys {sorted(unknown)}")
         raw = data.get("personas") or {}
@@ -231,12 +280,9 @@ class PersonaBook:
             if default != DEFAULT_NAME or specs:
                 raise PersonaError(f"default persona {default!r} is not defined under `personas`")
             specs[DEFAULT_NAME] = plain_spec(DEFAULT_NAME, Persona())
-        numbers: dict[str, str] = {}
-        for number, name in (data.get("numbers") or {}).items():
-            if name not in specs:
-                raise PersonaError(f"number {number}: persona {name!r} is not defined under `personas`")
-            numbers[normalize_number(str(number))] = name
-        return cls(specs=specs, numbers=numbers, default=default)
+        numbers = _numbers(data.get("numbers"), specs, "`numbers`")
+        carriers = _carrier_pins(data.get("carriers"), specs)
+        return cls(specs=specs, numbers=numbers, default=default, carriers=carriers)
 
     @classmethod
     def load(cls, path: Path | None) -> PersonaBook:
@@ -250,7 +296,7 @@ class PersonaBook:
             if Path(path).suffix.lower() == ".json":
                 data = json.loads(text)
             else:
-                import yaml  # the twilio extra brings pyyaml
+                import yaml  # the phone extra brings pyyaml
 
                 data = yaml.safe_load(text)
         except Exception as exc:  # any parser error, reported with the file name
@@ -260,9 +306,18 @@ class PersonaBook:
         except PersonaError as exc:
             raise UserError(f"personas file {path}: {exc}") from None
 
-    def for_number(self, called: str) -> str:
-        """Persona name for a called number (the default when the number is not listed)."""
-        return self.numbers.get(normalize_number(called), self.default)
+    def for_number(self, called: str, carrier: str | None = None) -> str:
+        """Persona name for a called number: the carrier's pin for it, the number's, the
+        carrier's default, the default."""
+        number = normalize_number(called)
+        pins = self.carriers.get(carrier or "")
+        if pins is not None and number in pins.numbers:
+            return pins.numbers[number]
+        if number in self.numbers:
+            return self.numbers[number]
+        if pins is not None and pins.default is not None:
+            return pins.default
+        return self.default
 
     def spec(self, name: str) -> PersonaSpec:
         try:

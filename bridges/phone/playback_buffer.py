@@ -1,15 +1,17 @@
 """Real-time pacing of outbound audio, and the call's playback bookkeeping.
 
-Twilio plays what we send at real time and buffers the rest, so every millisecond it holds is
-heard as delay, and is still played after the agent has gone quiet (a caller who barges in keeps
-hearing the old words). The pacer models Twilio's buffer as a clock: `play_end` is when the audio
-sent so far will have finished playing if playback starts the moment a message arrives. A 20 ms
-message goes out when Twilio's buffer has room under the *target* (the cushion + one message),
-never past `max_queued_s`: messages leave every 20 ms, not in 80 ms bursts.
+The carrier plays what we send at real time and buffers the rest, so every millisecond it holds
+is heard as delay, and is still played after the agent has gone quiet (a caller who barges in
+keeps hearing the old words). The pacer models the carrier's buffer as a clock: `play_end` is
+when the audio sent so far will have finished playing if playback starts the moment a message
+arrives. A 20 ms message goes out when the carrier's buffer has room under the *target* (the
+cushion + one message), never past `max_queued_s`: messages leave every 20 ms, not in 80 ms
+bursts.
 
-When Twilio's buffer is empty (the call's start, or the engine fell behind) it is first refilled
-with a cushion of silence (40 ms by default): the engine's 80 ms frames may then come that much
-late without a gap in what the caller hears. Marks echoed by Twilio give a second, measured
+When the carrier's buffer is empty (the call's start, or the engine fell behind) it is first
+refilled with a cushion of silence (40 ms by default): the engine's 80 ms frames may then come
+that much late without a gap in what the caller hears. Marks the carrier echoes (Twilio's and
+Telnyx's `mark`, Plivo's `playedStream`, Vonage's `websocket:notify`) give a second, measured
 estimate of its buffer.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-CHUNK_S = 0.020  # one Twilio media message
+CHUNK_S = 0.020  # one media message
 FRAME_S = 0.080  # one engine frame
 
 
@@ -32,9 +34,9 @@ def percentile(values: list[float] | deque[float], q: float) -> float:
 
 @dataclass
 class PlaybackClock:
-    """Model of Twilio's playback buffer for our audio (monotonic seconds)."""
+    """Model of the carrier's playback buffer for our audio (monotonic seconds)."""
 
-    max_queued_s: float = 0.100  # hard limit of what Twilio may hold
+    max_queued_s: float = 0.100  # hard limit of what the carrier may hold
     target_s: float = 0.060  # send when the buffer will stay at or under this
     play_end: float = 0.0  # when everything sent so far has played out
     started: bool = False
@@ -62,7 +64,7 @@ class PlaybackClock:
         self.max_seen_queue_s = max(self.max_seen_queue_s, self.play_end - now)
 
     def cleared(self, now: float) -> None:
-        """Twilio dropped its buffer (we sent `clear`)."""
+        """The carrier dropped its buffer (we sent `clear`)."""
         self.play_end = now
 
 
@@ -79,7 +81,7 @@ class MarkTracker:
     def add(self, name: str, sent_s: float) -> None:
         self.pending[name] = sent_s
         self.sent += 1
-        while len(self.pending) > 256:  # Twilio never echoed these (e.g. after a clear)
+        while len(self.pending) > 256:  # never echoed (e.g. after a clear)
             self.pending.pop(next(iter(self.pending)))
 
     def echo(self, name: str, total_sent_s: float) -> bool:

@@ -1,6 +1,7 @@
 """Call records: what happened on each call, in memory and (with a records directory) on disk.
 
-On disk, one folder per call, named by its CallSid:
+On disk, one folder per call, named by the carrier's call id (Twilio's CallSid, Telnyx's call
+control id, Plivo's CallUUID, Vonage's uuid, Exotel's CallSid):
 
     <records_dir>/CA…/record.json     the record; rewritten (atomically) when the stream starts
                                       and when the call ends ("live": false)
@@ -32,18 +33,21 @@ log = logging.getLogger(__name__)
 RECORD = "record.json"
 EVENTS = "events.jsonl"
 RECORDING = "recording.wav"
-_SID = re.compile(r"^[A-Za-z0-9]{2,64}$")
+# Carriers' call ids: letters and digits (Twilio, Exotel), UUIDs (Plivo, Vonage), `v3:…` with
+# `-`/`_` (Telnyx). Never a `/` or a leading dot: an id is always one plain folder name.
+_SID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_-]{1,127}$")
 MAX_TRANSCRIPT = 50_000  # pieces kept per call (a 15 min call of the real model has ~3 000)
 
 
 def valid_sid(call_sid: str) -> bool:
-    """A CallSid that is safe as a folder name (Twilio's are CA + 32 hex digits)."""
+    """A call id that is safe as a folder name (Twilio's are CA + 32 hex digits)."""
     return bool(_SID.match(call_sid))
 
 
 @dataclass
 class CallRecord:
-    call_sid: str
+    call_sid: str  # the carrier's call id, whatever the carrier calls it
+    carrier: str = ""
     direction: str = "inbound"
     from_: str = ""
     to: str = ""
@@ -69,6 +73,7 @@ class CallRecord:
     def to_dict(self) -> dict[str, Any]:
         return {
             "call_sid": self.call_sid,
+            "carrier": self.carrier,
             "direction": self.direction,
             "from": self.from_,
             "to": self.to,
@@ -97,9 +102,19 @@ class CallRecord:
         return summarize(full)
 
 
+SUMMARY_ITEMS = 32  # statuses, events and actions a summary keeps (the newest; the file has all)
+
+
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as call lists show it: no transcript or prompt, and its lists cut to their newest
+    entries, so an ended call costs a bounded amount of memory whatever happened in it."""
     short = {k: v for k, v in record.items() if k not in ("transcript", "prompt")}
-    short["transcript_pieces"] = len(record.get("transcript") or [])
+    short["transcript_pieces"] = record.get("transcript_pieces", len(record.get("transcript") or []))
+    for key in ("statuses", "events", "actions"):
+        items = record.get(key) or []
+        if len(items) > SUMMARY_ITEMS:
+            short[key] = items[-SUMMARY_ITEMS:]
+            short[f"{key}_total"] = len(items)
     return short
 
 
@@ -127,10 +142,23 @@ class CallFiles:
             with (self.folder / EVENTS).open("a", encoding="utf-8") as out:
                 out.write("\n".join(lines) + "\n")
         except OSError as exc:
-            log.warning("twilio: cannot write %s: %s", self.folder / EVENTS, exc)
+            log.warning("phone: cannot write %s: %s", self.folder / EVENTS, exc)
 
     def write_record(self, record: dict[str, Any]) -> None:
         write_json_atomically(self.folder / RECORD, record)
+
+
+def wav_seconds(path: Path) -> float:
+    """The length of one of our stereo 16-bit recordings from its size and its header's rate
+    (a recording cut short by a crash has a stale size in its header, never a stale rate)."""
+    try:
+        with path.open("rb") as wav:
+            header = wav.read(44)
+        size = path.stat().st_size
+    except OSError:
+        return 0.0
+    rate = int.from_bytes(header[24:28], "little") if len(header) == 44 else 0
+    return max(0, size - 44) / (rate * 4) if rate > 0 else 0.0
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
@@ -139,7 +167,7 @@ def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("twilio: cannot write %s: %s", path, exc)
+        log.warning("phone: cannot write %s: %s", path, exc)
 
 
 class RecordStore:
@@ -152,7 +180,7 @@ class RecordStore:
 
     def folder(self, call_sid: str) -> Path:
         if not valid_sid(call_sid):
-            raise ValueError(f"not a CallSid: {call_sid!r}")
+            raise ValueError(f"not a call id: {call_sid!r}")
         return self.root / call_sid
 
     def open_call(self, call_sid: str) -> CallFiles:
@@ -203,7 +231,7 @@ class RecordStore:
         recording = folder / RECORDING
         if recording.is_file():
             record["recording"] = True
-            record["recording_s"] = max(0, recording.stat().st_size - 44) / (8000 * 4)
+            record["recording_s"] = wav_seconds(recording)
 
     def recent(self, limit: int = 100) -> list[dict[str, Any]]:
         """Summaries of the newest records on disk (for the call list after a restart)."""
@@ -260,5 +288,5 @@ class RecordStore:
             total -= size
             removed += 1
         if removed:
-            log.info("twilio: retention removed %d call record(s) from %s", removed, self.root)
+            log.info("phone: retention removed %d call record(s) from %s", removed, self.root)
         return removed

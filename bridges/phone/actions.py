@@ -5,7 +5,7 @@ The model cannot call tools, but what it says and what the caller presses can be
 ```yaml
 actions:
   - on_dtmf: "0"                      # a key the caller pressed
-    do: transfer                      # to a number or a SIP URI (REST call update with <Dial>)
+    do: transfer                      # to a number or a SIP URI (through the carrier's REST API)
     to: "+15551230099"
     announce: "Connecting you to a colleague."   # optional: said to the caller first
     whisper: "A caller from the billing line."   # optional: said to whoever answers, first
@@ -21,7 +21,7 @@ actions:
     say: "Our offices open at nine."
     then: resume
   - on_dtmf: "*"
-    do: redirect                      # hand the call to your own TwiML
+    do: redirect                      # hand the call to your own markup (TwiML, TeXML...)
     url: "https://example.com/ivr.xml"
 ```
 Each rule fires at most `times` times per call (default 1; 0 = every time). The text matcher

@@ -1,14 +1,15 @@
 """Per-call context: a persona's prompt template and the values each call fills it with.
 
 A `text_prompt` may hold `{name}` fields. `{{` and `}}` are a literal brace. Every field is either
-one of the call's own facts, always known (`{From}`, `{To}`, `{CallSid}`, as Twilio names them),
-or declared under the persona's `variables:` with its default; anything else is refused when the
-personas file loads, so no caller ever hears a raw `{customer_name}`.
+one of the call's own facts, always known (`{From}`, `{To}`, `{CallSid}`: Twilio's names, used
+for every carrier; `{CallSid}` is the carrier's call id), or declared under the persona's
+`variables:` with its default; anything else is refused when the personas file loads, so no
+caller ever hears a raw `{customer_name}`.
 
 Values for a call, later sources winning (only declared variables are taken from any of them):
 1. the declared defaults;
-2. the query parameters of the voice webhook URL (the user's own Studio flow or TwiML
-   `<Redirect>` adds them; Twilio signs the whole URL, so they are as trusted as the call);
+2. the query parameters of the answer webhook URL (the user's own flow or `<Redirect>` adds
+   them; the carrier signs the whole URL, so they are as trusted as the call);
 3. the persona's `context_url`, when it has one: a POST of the call's facts, a JSON object back
    within `context_timeout_s`; on any failure the values so far are used and the failure logged.
 """
@@ -115,17 +116,17 @@ async def fetch_context(
     try:
         status, answer = await http.post(url, body, headers, timeout_s, max_answer_bytes=64 * 1024)
     except Exception as exc:  # timeouts and connection errors alike: the call goes on with defaults
-        log.warning("twilio: context_url %s failed (%s): using the defaults", url, type(exc).__name__)
+        log.warning("phone: context_url %s failed (%s): using the defaults", url, type(exc).__name__)
         return {}
     if not 200 <= status < 300:
-        log.warning("twilio: context_url %s answered %d: using the defaults", url, status)
+        log.warning("phone: context_url %s answered %d: using the defaults", url, status)
         return {}
     try:
         data = json.loads(answer)
     except ValueError:
         data = None
     if not isinstance(data, dict):
-        log.warning("twilio: context_url %s did not answer a JSON object: using the defaults", url)
+        log.warning("phone: context_url %s did not answer a JSON object: using the defaults", url)
         return {}
     inner = data.get("variables")
     return inner if isinstance(inner, dict) else data
