@@ -18,6 +18,7 @@ from personaplex_phone.carrier import CallHandle, Outcome
 from personaplex_voice.errors import UserError
 from twilio.base.exceptions import TwilioException
 from twilio.http import HttpClient
+from twilio.http.http_client import TwilioHttpClient
 from twilio.rest import Client
 
 from . import twiml
@@ -48,11 +49,29 @@ def voice_webhook_url(
     return public_url + VOICE_PATH + (("?" + urlencode(query)) if query else "")
 
 
+TWILIO_API = "https://api.twilio.com"
+
+
+class RebasedHttpClient(TwilioHttpClient):
+    """Twilio's HTTP client, sending to another base than api.twilio.com (PERSONAPLEX_TWILIO_API_URL)."""
+
+    def __init__(self, base: str):
+        super().__init__(timeout=10)
+        self.base = base.rstrip("/")
+
+    def request(self, method: str, url: str, *args: object, **kwargs: object) -> object:
+        if url.startswith(TWILIO_API):
+            url = self.base + url[len(TWILIO_API) :]
+        return super().request(method, url, *args, **kwargs)  # type: ignore[arg-type]
+
+
 class CallControl:
     """Places and ends calls. `available` is False without account credentials."""
 
     def __init__(self, settings: TwilioSettings, http_client: HttpClient | None = None):
         self.settings = settings
+        if http_client is None and settings.api_url:
+            http_client = RebasedHttpClient(settings.api_url)
         self._http_client = http_client
         self._client: Client | None = None
 

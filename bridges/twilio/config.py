@@ -28,6 +28,8 @@ class TwilioSettings(PhoneSettings):
         SecretStr(""), validation_alias=AliasChoices("TWILIO_AUTH_TOKEN", "auth_token")
     )
     status_callback_events: tuple[str, ...] = ("initiated", "ringing", "answered", "completed")
+    # Where Twilio's REST API is reached (empty: https://api.twilio.com): a proxy, or a fake in tests.
+    api_url: str = ""
     # A call whose engine worker died follows this instead of hearing `engine_lost_message`: an
     # http(s) URL of your TwiML, or TwiML text.
     engine_lost_twiml: str = ""
