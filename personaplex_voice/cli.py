@@ -6,6 +6,7 @@
 | `offline`        | `personaplex_voice.offline.offline`              |
 | `voices list/make` | `personaplex_voice.voices_cli.app`             |
 | `call`           | `personaplex_twilio.cli.call` (needs the `twilio` extra) |
+| `phone simulate/keypair` | `personaplex_phone.cli.app` (needs the `phone` extra) |
 
 Errors meant for the user are raised as `personaplex_voice.errors.UserError` (or the engine's
 `EngineError`s: unknown voice, bad prompt...) and printed as one line (no traceback unless
@@ -54,9 +55,16 @@ def _register_command(name: str, target: str) -> None:
     app.command(name)(func)
 
 
-def _register_group(name: str, target: str) -> None:
-    # Core command groups: an ImportError here is a bug, so it is not hidden.
-    sub: typer.Typer = _load(target)
+def _register_group(name: str, target: str, optional: bool = False) -> None:
+    # Core command groups: an ImportError here is a bug, so it is not hidden. An optional
+    # group (an extra's) is listed as unavailable instead, like an optional command.
+    try:
+        sub: typer.Typer = _load(target)
+    except ImportError:
+        if not optional:
+            raise
+        _register_command(name, target)
+        return
     app.add_typer(sub, name=name)
 
 
@@ -64,6 +72,7 @@ _register_command("serve", "personaplex_voice.server.command:serve")
 _register_command("offline", "personaplex_voice.offline:offline")
 _register_group("voices", "personaplex_voice.voices_cli:app")
 _register_command("call", "personaplex_twilio.cli:call")
+_register_group("phone", "personaplex_phone.cli:app", optional=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,7 +58,7 @@ def wrong_side(name: str) -> Any:
         "twilio": {"auth_token": "not-the-token"},
         "telnyx": {"private_key": keypair()[0]},
         "plivo": {"auth_id": PLIVO_ID, "auth_token": "not-the-token"},
-        "vonage": {"signature_secret": "not-the-secret"},
+        "vonage": {"signature_secret": "not-the-server's-signature-secret-but-long-enough"},
         "exotel": {"api_key": EXOTEL_KEY, "api_token": "not-the-token"},
     }[name]
     return load_side(name, **other)
@@ -123,7 +123,9 @@ class FakeCarrierApis:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
                 carrier, _, rest = self.path.lstrip("/").partition("/")
-                request = ApiRequest(self.command, "/" + rest, {k.lower(): v for k, v in self.headers.items()}, body)
+                request = ApiRequest(
+                    self.command, "/" + rest, {k.lower(): v for k, v in self.headers.items()}, body
+                )
                 with fake.lock:
                     fake.received.append((carrier, request))
                 status, answer = fake.answer(carrier, request)
@@ -170,7 +172,9 @@ class FakeCarrierApis:
         deadline = time.monotonic() + timeout
         while len(self.requests_for(carrier)) < count:
             if time.monotonic() > deadline:
-                raise AssertionError(f"{carrier}: {len(self.requests_for(carrier))} REST request(s), not {count}")
+                raise AssertionError(
+                    f"{carrier}: {len(self.requests_for(carrier))} REST request(s), not {count}"
+                )
             time.sleep(0.02)
         return self.requests_for(carrier)
 
