@@ -10,6 +10,7 @@ recording fake of the carriers' REST APIs (the one thing faked; carriers are unr
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.server
 import json
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from personaplex_phone.simulator import load_side
 from personaplex_telnyx.sim import keypair
 
@@ -29,7 +31,10 @@ WEBHOOK_SECRET = "phone-test-webhook-secret"
 
 TWILIO_TOKEN = "phone-test-twilio-token"
 TWILIO_ACCOUNT = "AC" + "0" * 32
-TELNYX_PRIVATE, TELNYX_PUBLIC = keypair()
+# Fixed, so that simulators in other processes (bench/phone_load.py) sign with the same key.
+_TELNYX = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"personaplex-voice phone tests").digest())
+TELNYX_PRIVATE = base64.b64encode(_TELNYX.private_bytes_raw()).decode()
+TELNYX_PUBLIC = base64.b64encode(_TELNYX.public_key().public_bytes_raw()).decode()
 TELNYX_API_KEY = "KEY-phone-test"
 PLIVO_ID, PLIVO_TOKEN = "MAPHONETEST000000000", "phone-test-plivo-token"
 VONAGE_SECRET, VONAGE_APP = "phone-test-vonage-signature-secret", "aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"

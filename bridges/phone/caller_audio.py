@@ -78,19 +78,22 @@ class CallerAudio:
         """Silence to push ahead of the caller's first message so that, just before each engine
         tick, the session holds one full frame plus `inbound_slack_ms` of audio.
 
-        Messages bring `message_s` each (20 ms on most carriers); the ticks come every 80 ms, the
-        next one in `to_tick_s`. Before it, this message and floor(to_tick / message) more will
-        have come. With the engine's clock idle (None) this session's first full frame starts it
-        at once, so the ticks fall on this message's phase: before each later one the session
-        holds the cushion plus the messages since the last.
+        Messages bring 20 ms each on most carriers; the ticks come every 80 ms, the next one in
+        `to_tick_s`. Before it, this message and floor(to_tick / 20 ms) more will have come. With
+        the engine's clock idle (None) this session's first full frame starts it at once, so the
+        ticks fall on this message's phase: before each later one the session holds the cushion
+        plus the messages since the last. A carrier that sends longer messages (Exotel: about
+        100 ms) delivers its audio up to one message minus 20 ms later than that: so much more
+        cushion (and delay) it needs.
         """
-        frame_ms, chunk_ms = FRAME_S * 1000, message_s * 1000
+        frame_ms, chunk_ms = FRAME_S * 1000, CHUNK_S * 1000
         if to_tick_s is None:
             cushion_ms = frame_ms + self.slack_ms
         else:
             to_tick_ms = (to_tick_s * 1000) % frame_ms
             arriving_ms = chunk_ms + chunk_ms * (to_tick_ms // chunk_ms)
             cushion_ms = (frame_ms + self.slack_ms - arriving_ms) % frame_ms
+        cushion_ms += max(0.0, message_s * 1000 - chunk_ms)
         return round(cushion_ms * SAMPLE_RATE / 1000)
 
     def metrics(self) -> dict[str, int]:

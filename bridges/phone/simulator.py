@@ -179,13 +179,17 @@ class SimulatedStream:
             await self.send_pcm(pcm[i : i + step])
 
     async def send_pcm(self, pcm: np.ndarray) -> None:
+        self.sent_pcm.append(pcm)
+        await self.send_payload(self.line_in.encode(pcm))
+
+    async def send_payload(self, payload: bytes) -> None:
+        """One media message of already-encoded caller audio (a load test encodes its audio once)."""
         now = time.monotonic()
         if not self.t0:
             self.t0 = now
         self.chunk += 1
-        self.sent_pcm.append(pcm)
         ms = round((now - self.t0) * 1000)
-        await self.send(self.side.media(self.offer, self.stream_id, self.line_in.encode(pcm), self.chunk, ms))
+        await self.send(self.side.media(self.offer, self.stream_id, payload, self.chunk, ms))
 
     async def answered(self, timeout: float = 10.0) -> int:
         """Line silence (carriers send the line's audio from the start) until the agent's audio
