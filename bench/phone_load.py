@@ -9,6 +9,8 @@ carrier's REST API faked locally (tests/support_phone.py). Simulated carriers
 (personaplex_phone.simulator, in worker processes, each call a task sending real-time audio in
 its carrier's format and codec) then:
 
+0. Warm-up: `--warmup-calls` calls of every carrier first, not counted (a fresh server's first
+   calls pay for imports, filter designs and the allocator's growth).
 1. Capacity, per carrier: levels of concurrent calls of `--seconds`; a level passes when the
    server counted no late frame (no engine frame without its caller audio in time, no message
    reaching the carrier after its buffer of ours ran dry) and no call closed early. Printed:
@@ -203,6 +205,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--processes", type=int, default=2, help="simulator processes")
     parser.add_argument("--memory-calls", type=int, default=100)
+    parser.add_argument("--warmup-calls", type=int, default=5)
     args = parser.parse_args()
 
     from support_phone import PUBLIC_URL, FakeCarrierApis, carrier_env
@@ -220,6 +223,9 @@ def main() -> None:
         args_ = ("--carriers", ",".join(carriers), "--max-sessions", str(top), "--log-level", "warning")
         with running_server(*args_, env=env, timeout=120) as server:
             pid = server.process.pid
+            for carrier in carriers if args.warmup_calls else ():
+                run_calls(carrier, server.url, PUBLIC_URL, args.warmup_calls, 2.0, args.processes)
+                wait_idle(server.url)
             # 1. capacity
             max_calls: dict[str, int] = {}
             for carrier in carriers:
