@@ -59,7 +59,7 @@ PERSONAS = """
 default: desk
 personas:
   desk:
-    text_prompt: "You answer for Acme."
+    text_prompt: "You answer for Acme. The caller is {From}."
     webhook_url: SINK
     actions:
       - on_dtmf: "0"
@@ -237,6 +237,7 @@ async def test_a_signed_call_echoes_and_hanging_up_frees_the_slot(server, sink, 
     await wait_idle(server)  # the caller hung up: the slot is free
     record = await asyncio.to_thread(record_of, server, call_id)
     assert record["carrier"] == carrier and record["call_sid"] == call_id and record["end_reason"] == "stop"
+    assert record["prompt"].endswith("5550100002.")  # the template, filled from the carrier's facts
     assert record["metrics"]["audio_in"] == offer.inbound.describe()
     assert 0 < record["metrics"]["queued_ms_marks_max"] <= 110
     # The post-call webhook carries the carrier's call id, signed.

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from personaplex_phone.audio_path import InboundAudio, OutboundAudio, silence_chunk
+from personaplex_phone.audio_path import InboundAudio, OutboundAudio, codec_for, silence_chunk
 from personaplex_phone.carrier import AudioFormat, Reply
 from personaplex_phone.journal import CallJournal
 from personaplex_phone.personas import PersonaBook
@@ -42,7 +42,7 @@ def test_each_format_round_trips_a_tone_through_the_call(fmt) -> None:
     """The caller's audio up to 24 kHz and the agent's back down, 20 ms messages each way."""
     inbound, outbound = InboundAudio(fmt), OutboundAudio(fmt)
     sent = tone(1000.0, 1.0, rate=fmt.rate)
-    data = outbound._codec.encode(sent)
+    data = codec_for(fmt).encode(sent)
     up = np.concatenate(
         [inbound.convert(data[i : i + fmt.chunk_bytes]) for i in range(0, len(data), fmt.chunk_bytes)]
     )
@@ -53,7 +53,7 @@ def test_each_format_round_trips_a_tone_through_the_call(fmt) -> None:
     assert all(len(c) == fmt.chunk_bytes for c in chunks)
     back = np.concatenate([outbound.decode(c) for c in chunks])
     assert sine_fit_snr_db(back[400:-400], 1000.0, fmt.rate) >= 30.0
-    assert silence_chunk(fmt) == outbound._codec.encode(np.zeros(fmt.rate // 50, np.float32))
+    assert silence_chunk(fmt) == codec_for(fmt).encode(np.zeros(fmt.rate // 50, np.float32))
 
 
 def test_formats_say_what_they_are() -> None:

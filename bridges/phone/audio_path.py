@@ -23,7 +23,6 @@ from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE
 
 from .carrier import MULAW_8K, AudioFormat
 
-CHUNK_MS = 20
 CHUNK_BYTES = MULAW_8K.chunk_bytes  # 160 μ-law bytes: one 20 ms message at 8 kHz (Twilio's size)
 
 
