@@ -79,7 +79,7 @@ def peak_position(y: np.ndarray) -> float:
 
 def ours_in_out(x: np.ndarray) -> tuple[np.ndarray, float]:
     """Our audio path; returns (output at 8 kHz, samples held back at 8 kHz)."""
-    from personaplex_twilio.audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
+    from personaplex_phone.audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
 
     from personaplex_voice.audio.framing import FrameBuffer
     from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode

@@ -8,6 +8,7 @@
 | `eval`           | `personaplex_voice.eval.command.eval_command` (needs the `eval` extra to run) |
 | `call`           | `personaplex_twilio.cli.call` (needs the `twilio` extra) |
 | `bundle`         | `personaplex_voice.deploy.bundle.bundle` (offline install bundle) |
+| `phone simulate/keypair` | `personaplex_phone.cli.app` (needs the `phone` extra) |
 
 Errors meant for the user are raised as `personaplex_voice.errors.UserError` (or the engine's
 `EngineError`s: unknown voice, bad prompt...) and printed as one line (no traceback unless
@@ -56,9 +57,16 @@ def _register_command(name: str, target: str) -> None:
     app.command(name)(func)
 
 
-def _register_group(name: str, target: str) -> None:
-    # Core command groups: an ImportError here is a bug, so it is not hidden.
-    sub: typer.Typer = _load(target)
+def _register_group(name: str, target: str, optional: bool = False) -> None:
+    # Core command groups: an ImportError here is a bug, so it is not hidden. An optional
+    # group (an extra's) is listed as unavailable instead, like an optional command.
+    try:
+        sub: typer.Typer = _load(target)
+    except ImportError:
+        if not optional:
+            raise
+        _register_command(name, target)
+        return
     app.add_typer(sub, name=name)
 
 
@@ -68,6 +76,7 @@ _register_group("voices", "personaplex_voice.voices_cli:app")
 _register_command("eval", "personaplex_voice.eval.command:eval_command")
 _register_command("call", "personaplex_twilio.cli:call")
 _register_command("bundle", "personaplex_voice.deploy.bundle:bundle")
+_register_group("phone", "personaplex_phone.cli:app", optional=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -132,13 +132,20 @@ def serve(
     twilio: Annotated[
         bool | None,
         typer.Option(
-            "--twilio/--no-twilio", help="Mount the Twilio bridge at /twilio (env PERSONAPLEX_TWILIO)"
+            "--twilio/--no-twilio",
+            help="Mount the Twilio bridge at /twilio, as --carriers twilio (env PERSONAPLEX_TWILIO)",
+        ),
+    ] = None,
+    carriers: Annotated[
+        str | None,
+        typer.Option(
+            help="Phone carriers to answer, e.g. twilio,telnyx,plivo,vonage,exotel (env PERSONAPLEX_CARRIERS)"
         ),
     ] = None,
     records_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Keep call records, transcripts and recordings here (Twilio bridge) "
+            help="Keep call records, transcripts and recordings here (phone calls) "
             "(env PERSONAPLEX_RECORDS_DIR)"
         ),
     ] = None,

@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
-from personaplex_twilio.actions import ActionMatcher, parse_rules
-from personaplex_twilio.personas import PersonaBook
+from personaplex_phone.actions import ActionMatcher, parse_rules
+from personaplex_phone.personas import PersonaBook
 from support_twilio import bridge_harness, parse_stream_twiml
 
 from personaplex_voice.engine.loopback import LoopbackEngine

@@ -13,8 +13,8 @@ import json
 import time
 
 import pytest
-from personaplex_twilio.personas import PersonaBook
-from personaplex_twilio.webhooks import sign
+from personaplex_phone.personas import PersonaBook
+from personaplex_phone.webhooks import sign
 from support_cli import assert_one_line_error, call_cli
 from support_twilio import HttpSink, bridge_harness
 

@@ -315,7 +315,7 @@ def test_call_list_needs_the_api_token(server) -> None:
 
 
 def test_examples_personas_file_loads() -> None:
-    from personaplex_twilio.personas import PersonaBook
+    from personaplex_phone.personas import PersonaBook
 
     root = Path(__file__).resolve().parents[1]
     book = PersonaBook.load(root / "examples" / "twilio_personas.yaml")

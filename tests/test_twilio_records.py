@@ -170,7 +170,7 @@ def test_call_records_need_the_api_key_and_a_real_sid(tmp_path) -> None:
 def test_retention_removes_the_oldest_records_first(tmp_path) -> None:
     import os
 
-    from personaplex_twilio.records import RecordStore
+    from personaplex_phone.records import RecordStore
 
     store = RecordStore(tmp_path, max_age_s=3600, max_bytes=2500)
     now = time.time()

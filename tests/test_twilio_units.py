@@ -8,11 +8,11 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
+from personaplex_phone.audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
+from personaplex_phone.personas import PersonaBook, normalize_number
+from personaplex_phone.playback_buffer import CHUNK_S, MarkTracker, PlaybackClock
 from personaplex_twilio import twiml
-from personaplex_twilio.audio_path import CHUNK_BYTES, InboundAudio, OutboundAudio
 from personaplex_twilio.config import TwilioSettings
-from personaplex_twilio.personas import PersonaBook, normalize_number
-from personaplex_twilio.playback_buffer import CHUNK_S, MarkTracker, PlaybackClock
 from personaplex_twilio.signatures import SignatureChecker, public_url_of
 from personaplex_twilio.wire import ProtocolError, parse_message
 from starlette.requests import Request
@@ -319,7 +319,7 @@ def test_the_wire_format_module_imports_nothing_of_the_bridge() -> None:
 
 
 def test_a_prompt_template_renders_declared_values_and_literal_braces() -> None:
-    from personaplex_twilio.context import PromptTemplate, clean_value
+    from personaplex_phone.context import PromptTemplate, clean_value
 
     template = PromptTemplate.parse("Hi {name}, {{not a field}} from {From}.")
     assert template.fields == {"name", "From"}

@@ -1,5 +1,5 @@
 // The calls page: the Twilio bridge's live calls (meters, live transcript) and past calls
-// (transcript, actions, recording). Everything comes from /twilio/calls* with the API key as a
+// (transcript, actions, recording). Everything comes from /phone/calls* with the API key as a
 // Bearer token; the key is kept for this tab only (sessionStorage) or given as #token=… .
 const POLL_MS = 400;
 const FLOOR_DB = -60;
@@ -74,6 +74,7 @@ function renderLive(live) {
     const row = document.createElement("tr");
     row.dataset.sid = call.call_sid;
     row.classList.toggle("selected", selected?.sid === call.call_sid);
+    cell(row, call.carrier);
     cell(row, call.persona);
     cell(row, call.from);
     cell(row, seconds(call.duration_s));
@@ -95,6 +96,7 @@ function renderPast(past) {
     row.classList.toggle("selected", selected?.sid === call.call_sid);
     const started = call.started_at ? new Date(call.started_at * 1000).toLocaleString() : "–";
     cell(row, started);
+    cell(row, call.carrier);
     cell(row, call.persona);
     cell(row, call.from);
     cell(row, seconds(call.recording_s ?? call.metrics?.duration_s));
@@ -112,7 +114,7 @@ async function poll() {
   if (!key || polling) return; // one poll at a time: a slow one is not overtaken
   polling = true;
   try {
-    const listing = await (await api("/twilio/calls?live_metrics=0")).json();
+    const listing = await (await api("/phone/calls?live_metrics=0")).json();
     const liveSids = new Set(listing.live.map((c) => c.call_sid));
     state.live = listing.live;
     state.past = [...listing.calls.slice().reverse(), ...listing.earlier_calls].filter(
@@ -147,9 +149,10 @@ async function select(sid, live) {
 
 async function refreshSelected(live) {
   const current = selected;
-  const record = await (await api(`/twilio/calls/${current.sid}?since=${current.transcriptFrom}`)).json();
+  const record = await (await api(`/phone/calls/${current.sid}?since=${current.transcriptFrom}`)).json();
   if (selected !== current) return;
-  $("detail-title").textContent = `${live ? "Live call" : "Call"} ${record.call_sid}`;
+  const via = record.carrier ? ` (${record.carrier})` : "";
+  $("detail-title").textContent = `${live ? "Live call" : "Call"} ${record.call_sid}${via}`;
   const facts = $("detail-facts");
   facts.replaceChildren();
   const rows = [
@@ -190,7 +193,7 @@ async function loadRecording(current) {
   current.recordingRequested = true;
   let blob;
   try {
-    blob = await (await api(`/twilio/calls/${current.sid}/recording`)).blob();
+    blob = await (await api(`/phone/calls/${current.sid}/recording`)).blob();
   } catch (error) {
     current.recordingRequested = false; // the next poll tries again
     throw error;

@@ -1,6 +1,7 @@
-"""Twilio bridge: phone calls in and out over Media Streams, on the server's SessionManager.
+"""Twilio: phone calls in and out over Media Streams, as a carrier of the phone call.
 
-`mount(app)` adds to a server app (one made by `personaplex_voice.server.app.create_app`):
+`mount(app)` adds Twilio to a server app (one made by `personaplex_voice.server.app.create_app`),
+on the app's phone service (personaplex_phone; created here when it is the first carrier):
 
 | route                            | what                                                         |
 | -------------------------------- | ------------------------------------------------------------ |
@@ -10,19 +11,15 @@
 | `POST /twilio/whisper`           | what a transfer's far end hears first (signed)               |
 | `POST /twilio/call`              | place an outbound call (Bearer token)                        |
 | `GET /twilio/calls[/{sid}[/recording]]` | live calls, call records, recordings (Bearer)         |
-| `GET /calls`                     | the calls page                                               |
 
-The rooms: wire.py (the Media Streams messages), media_stream.py (a stream's life cycle),
-caller_audio.py and playout.py (audio in, audio out, paced by playback_buffer.py), phone_call.py
-(a call across its streams: record, recording, actions), personas.py + context.py (who answers,
-knowing what), actions.py, records.py, recording.py, webhooks.py, bridge.py (webhooks),
-calls_api.py (what we show). See docs/twilio.md and docs/contact-center.md. The bridge knows
-the session API and `personaplex_voice.audio`, never torch.
+The rooms: wire.py (the Media Streams messages; imports nothing of ours), carrier.py (Twilio as
+the phone call sees it), twiml.py, calls.py (REST), signatures.py, outbound.py (outbound calls,
+whispers), config.py, cli.py (`personaplex-voice call`). See docs/twilio.md.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .config import TwilioSettings
 
@@ -31,7 +28,22 @@ if TYPE_CHECKING:
 
     from twilio.http import HttpClient
 
-__all__ = ["TwilioSettings", "mount"]
+    from .carrier import TwilioCarrier
+
+__all__ = ["TwilioSettings", "make_carrier", "mount"]
+
+
+def make_carrier(
+    service: Any, settings: TwilioSettings | None = None, http_client: HttpClient | None = None
+) -> TwilioCarrier:
+    """The Twilio carrier for `service` (a personaplex_phone PhoneService)."""
+    from .calls import CallControl
+    from .carrier import TwilioCarrier
+
+    settings = settings or TwilioSettings()
+    return TwilioCarrier(
+        settings, CallControl(settings, http_client=http_client), service.settings.max_message_bytes
+    )
 
 
 def mount(
@@ -39,22 +51,16 @@ def mount(
 ) -> None:
     """Add the `/twilio/*` routes to `app`; they use `app.state.host` (the session host).
 
-    `http_client` replaces the HTTP layer of Twilio's REST client (tests, proxies).
-    Raises `UserError` when the settings cannot work (no auth token while signatures are checked,
-    an unreadable personas file).
+    `settings` also configure the phone call when Twilio is the first carrier mounted (a
+    `TwilioSettings` holds the phone call's settings too). `http_client` replaces the HTTP layer of
+    Twilio's REST client (tests, proxies). Raises `UserError` when the settings cannot work (no auth
+    token while signatures are checked, an unreadable personas file).
     """
-    from .bridge import TwilioBridge, records_dir_for
-    from .calls import CallControl
-    from .calls_api import build_router
-    from .personas import PersonaBook
+    from personaplex_phone import add_carrier, phone_service
 
     settings = settings or TwilioSettings()
     settings.check()
-    book = PersonaBook.load(settings.personas_file)
-    # Process-wide interpreter settings (gc.freeze, the GIL switch interval) that keep the pacing
-    # of every call on time are the server's job: its lifespan applies them once the engine is
-    # loaded (personaplex_voice.process.runtime).
-    control = CallControl(settings, http_client=http_client)
-    bridge = TwilioBridge(app, settings, control, book, records_dir=records_dir_for(settings, app))
-    app.state.twilio = bridge
-    app.include_router(build_router(bridge))
+    service = phone_service(app, settings)
+    twilio = make_carrier(service, settings, http_client)
+    add_carrier(app, twilio)
+    app.state.twilio = twilio

@@ -2,20 +2,26 @@
 
 The `twilio` client is synchronous (it blocks on HTTP), so the async helpers run it in a worker
 thread. Tests hand the client a fake `twilio.http.HttpClient`, the one boundary we mock.
+`TwilioControl` is the phone call's `CallControl` on top of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlencode
+
+from personaplex_phone import carrier as phone
+from personaplex_phone.carrier import CallHandle, Outcome
 
 from personaplex_voice.errors import UserError
 from twilio.base.exceptions import TwilioException
 from twilio.http import HttpClient
+from twilio.http.http_client import TwilioHttpClient
 from twilio.rest import Client
 
+from . import twiml
 from .config import TwilioSettings
 
 log = logging.getLogger(__name__)
@@ -43,11 +49,29 @@ def voice_webhook_url(
     return public_url + VOICE_PATH + (("?" + urlencode(query)) if query else "")
 
 
+TWILIO_API = "https://api.twilio.com"
+
+
+class RebasedHttpClient(TwilioHttpClient):
+    """Twilio's HTTP client, sending to another base than api.twilio.com (PERSONAPLEX_TWILIO_API_URL)."""
+
+    def __init__(self, base: str):
+        super().__init__(timeout=10)
+        self.base = base.rstrip("/")
+
+    def request(self, method: str, url: str, *args: object, **kwargs: object) -> object:
+        if url.startswith(TWILIO_API):
+            url = self.base + url[len(TWILIO_API) :]
+        return super().request(method, url, *args, **kwargs)  # type: ignore[arg-type]
+
+
 class CallControl:
     """Places and ends calls. `available` is False without account credentials."""
 
     def __init__(self, settings: TwilioSettings, http_client: HttpClient | None = None):
         self.settings = settings
+        if http_client is None and settings.api_url:
+            http_client = RebasedHttpClient(settings.api_url)
         self._http_client = http_client
         self._client: Client | None = None
 
@@ -136,3 +160,43 @@ class CallControl:
 
     async def place_call_async(self, to: str, from_: str, **kwargs: object) -> str:
         return await asyncio.to_thread(lambda: self.place_call(to, from_, **kwargs))  # type: ignore[arg-type]
+
+
+class TwilioControl:
+    """The phone call's CallControl for Twilio: a hang-up is `Status=completed`, anything else a
+    call update with TwiML (or with the user's URL for a lone `Redirect`)."""
+
+    def __init__(self, calls: CallControl):
+        self.calls = calls
+
+    @property
+    def available(self) -> bool:
+        return self.calls.available
+
+    async def hang_up(self, call: CallHandle) -> Outcome:
+        ok = await self.calls.hang_up_async(call.call_id)
+        return Outcome(ok, "" if ok else "refused by Twilio, or no REST credentials")
+
+    async def instruct(self, call: CallHandle, steps: Sequence[phone.Step]) -> Outcome:
+        if len(steps) == 1 and isinstance(steps[0], phone.Redirect):
+            ok = await self.calls.update_async(call.call_id, url=steps[0].url)
+        elif len(steps) == 1 and isinstance(steps[0], phone.Markup):
+            ok = await self.calls.update_async(call.call_id, twiml=steps[0].text)
+        else:
+            document = twiml.render(
+                steps,
+                whisper_url=lambda dial: whisper_url(call.public_base, dial),
+                resume_url=lambda resume: voice_webhook_url(
+                    call.public_base, resume.persona, resume=resume.token
+                ),
+            )
+            ok = await self.calls.update_async(call.call_id, twiml=document)
+        return Outcome(ok, "" if ok else "refused by Twilio, or no REST credentials")
+
+
+def whisper_url(public_base: str, dial: phone.Dial) -> str | None:
+    """What the far end of a transfer hears first: our signed whisper webhook for the rule."""
+    if not dial.whisper or dial.rule is None:
+        return None
+    persona, index = dial.rule
+    return f"{public_base}{WHISPER_PATH}?{urlencode({'persona': persona, 'rule': index})}"

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from personaplex_phone.personas import PersonaBook
 
 from personaplex_voice.errors import UserError
 from twilio.http import HttpClient
 
 from .calls import CallControl
 from .config import TwilioSettings
-from .personas import PersonaBook
 
 
 def make_http_client() -> HttpClient | None:

@@ -3,7 +3,7 @@
 Twilio signs the full URL it requested (scheme, host, path, query) plus the sorted POST form
 fields with HMAC-SHA1 keyed by the account's auth token; `twilio.request_validator` does the
 arithmetic. Behind a proxy or tunnel the server does not see the URL Twilio used, so the URL is
-rebuilt from `PUBLIC_URL` and the request's path and query.
+rebuilt from `PUBLIC_URL` and the request's path and query (personaplex_phone.urls).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from personaplex_phone.urls import public_base, public_url_of, websocket_base
 from starlette.requests import HTTPConnection
 
 from twilio.request_validator import SIGNATURE_HEADER, RequestValidator
@@ -19,35 +20,7 @@ from .config import TwilioSettings
 
 log = logging.getLogger(__name__)
 
-
-def public_base(settings: TwilioSettings, conn: HTTPConnection) -> str:
-    """`https://host[:port][/prefix]` that Twilio uses to reach this app (no trailing slash)."""
-    if settings.public_url:
-        return settings.public_url
-    url = conn.url
-    scheme = {"ws": "http", "wss": "https"}.get(url.scheme, url.scheme)
-    return f"{scheme}://{url.netloc}"
-
-
-def websocket_base(http_base: str) -> str:
-    """The WebSocket flavour of a base URL: https -> wss, http -> ws."""
-    if http_base.startswith("https://"):
-        return "wss://" + http_base[len("https://") :]
-    if http_base.startswith("http://"):
-        return "ws://" + http_base[len("http://") :]
-    return http_base
-
-
-def public_url_of(settings: TwilioSettings, conn: HTTPConnection) -> str:
-    """The URL Twilio requested, as Twilio saw it (path relative to the app's root)."""
-    path = conn.url.path
-    root = conn.scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    url = public_base(settings, conn) + path
-    if conn.url.query:
-        url += "?" + conn.url.query
-    return url
+__all__ = ["SIGNATURE_HEADER", "SignatureChecker", "public_base", "public_url_of", "websocket_base"]
 
 
 class SignatureChecker:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+
+from personaplex_phone import carrier as phone
 
 from twilio.twiml.voice_response import Connect, Dial, VoiceResponse
 
@@ -73,4 +75,35 @@ def say_only(message: str) -> str:
     """A TwiML document that just says `message` (a whisper to the person a call is put through to)."""
     response = VoiceResponse()
     response.say(message)
+    return str(response)
+
+
+def render(
+    steps: Sequence[phone.Step],
+    *,
+    whisper_url: Callable[[phone.Dial], str | None],
+    resume_url: Callable[[phone.Resume], str],
+) -> str:
+    """The phone call's instructions as one TwiML document (`Markup` steps are given whole)."""
+    response = VoiceResponse()
+    for step in steps:
+        if isinstance(step, phone.Say):
+            response.say(step.text)
+        elif isinstance(step, phone.Play):
+            response.play(step.url)
+        elif isinstance(step, phone.Dial):
+            dial = Dial(caller_id=step.caller_id) if step.caller_id else Dial()
+            url = whisper_url(step)
+            target = {"url": url} if url else {}
+            if step.target.startswith(("sip:", "sips:")):
+                dial.sip(step.target, **target)
+            else:
+                dial.number(step.target, **target)
+            response.append(dial)
+        elif isinstance(step, phone.Hangup):
+            response.hangup()
+        elif isinstance(step, phone.Redirect):
+            response.redirect(step.url, method="POST")
+        elif isinstance(step, phone.Resume):
+            response.redirect(resume_url(step), method="POST")
     return str(response)

@@ -9,8 +9,12 @@ call with a factory for its `LineCodec`.
 | line       | rate   | path                                                                       |
 | ---------- | ------ | -------------------------------------------------------------------------- |
 | `wideband` | 24 kHz | none: the engine's own audio (an in-process pipeline, the reference)        |
-| `twilio`   | 8 kHz  | μ-law both ways, the phone call's audio path (`InboundAudio`, `OutboundAudio`) |
 | `browser`  | 24 kHz | Ogg-Opus both ways, the `/api/chat` codec of the browser client            |
+| phone      | 8-24 kHz | the phone call's own audio path, in a carrier's formats                  |
+
+The phone lines (`PHONE_LINES` below) are named by carrier (`twilio`, `telnyx`, `plivo`,
+`vonage`, `exotel`, `asterisk`, `jambonz`, `genesys`: its default formats) and by codec
+(`pcmu-8k`, `pcma-8k`, `l16-8k`, `l16-16k`, `l16-24k`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from typing import Protocol
 
 import numpy as np
 
-from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
 from personaplex_voice.audio.resample import BlockResampler
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE
 
@@ -86,25 +89,30 @@ class WidebandCodec:
         return np.asarray(agent, np.float32).copy()
 
 
-class TwilioCodec:
-    """The caller's phone sends μ-law at 8 kHz; the bridge's `InboundAudio` turns it into the
-    engine's 24 kHz, its `OutboundAudio` turns the agent into the 20 ms μ-law payloads Twilio
-    plays, which the caller's phone decodes."""
+class PhoneCodec:
+    """A phone line: the caller's phone encodes its audio in the carrier's inbound format; the
+    phone call's `InboundAudio` turns it into the engine's 24 kHz and its `OutboundAudio` turns
+    the agent into the carrier's 20 ms payloads in the outbound format, which the caller's phone
+    decodes. The same code a call runs, in the same formats."""
 
-    def __init__(self) -> None:
-        self._phone_mic = BlockResampler(SAMPLE_RATE, phone.TWILIO_RATE)
-        self._inbound = phone.InboundAudio()
-        self._outbound = phone.OutboundAudio()
+    def __init__(self, inbound: phone.AudioFormat, outbound: phone.AudioFormat) -> None:
+        self._phone_mic = BlockResampler(SAMPLE_RATE, inbound.rate) if inbound.rate != SAMPLE_RATE else None
+        self._mic_codec = phone.codec_for(inbound)
+        self._ear_codec = phone.codec_for(outbound)
+        self._inbound = phone.InboundAudio(inbound)
+        self._outbound = phone.OutboundAudio(outbound)
         self._to_engine = Reframer(FRAME_SIZE)
-        self._heard = Reframer(FRAME_SIZE * phone.TWILIO_RATE // SAMPLE_RATE)
+        self._heard = Reframer(FRAME_SIZE * outbound.rate // SAMPLE_RATE)
 
     def uplink(self, caller: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ulaw = ulaw_encode(self._phone_mic.process(np.asarray(caller, np.float32)))
-        return ulaw_decode(ulaw), self._to_engine.take(self._inbound.convert(ulaw))
+        pcm = np.asarray(caller, np.float32)
+        at_rate = self._phone_mic.process(pcm) if self._phone_mic is not None else pcm
+        payload = self._mic_codec.encode(at_rate)
+        return self._mic_codec.decode(payload), self._to_engine.take(self._inbound.convert(payload))
 
     def downlink(self, agent: np.ndarray) -> np.ndarray:
         payloads = self._outbound.convert(np.asarray(agent, np.float32))
-        return self._heard.take(ulaw_decode(b"".join(payloads)))
+        return self._heard.take(self._ear_codec.decode(b"".join(payloads)))
 
 
 class BrowserCodec:
@@ -132,10 +140,38 @@ class BrowserCodec:
         return self._heard.take(self._cross(self._down, agent))
 
 
+def _phone_line(name: str, inbound: phone.AudioFormat, outbound: phone.AudioFormat, what: str) -> Line:
+    summary = f"{inbound.describe()} in, {outbound.describe()} out: {what}"
+    return Line(name, inbound.rate, summary, lambda: PhoneCodec(inbound, outbound))
+
+
+_PCMU_8K = phone.AudioFormat("pcmu", 8000)
+_PCMA_8K = phone.AudioFormat("pcma", 8000)
+_L16_8K = phone.AudioFormat("l16", 8000)
+_L16_16K = phone.AudioFormat("l16", 16000)
+_L16_16K_BE = phone.AudioFormat("l16", 16000, big_endian=True)
+_L16_24K = phone.AudioFormat("l16", 24000)
+
+# name -> (caller's format, agent's format, what carries it); the carriers' defaults (docs/phone.md).
+PHONE_LINES = {
+    "twilio": (_PCMU_8K, _PCMU_8K, "a Twilio call"),
+    "telnyx": (_PCMU_8K, _L16_16K_BE, "a Telnyx call on the phone network, our audio wideband"),
+    "plivo": (_L16_16K, _L16_16K, "a Plivo wideband stream"),
+    "vonage": (_L16_16K, _L16_16K, "a Vonage WebSocket call"),
+    "exotel": (_L16_8K, _L16_8K, "an Exotel voicebot stream"),
+    "asterisk": (_L16_16K, _L16_16K, "Asterisk AudioSocket or chan_websocket at slin16"),
+    "jambonz": (_L16_24K, _L16_24K, "a jambonz listen at 24 kHz"),
+    "genesys": (_PCMU_8K, _PCMU_8K, "a Genesys Audio Connector session"),
+    "pcmu-8k": (_PCMU_8K, _PCMU_8K, "μ-law both ways"),
+    "pcma-8k": (_PCMA_8K, _PCMA_8K, "A-law both ways"),
+    "l16-8k": (_L16_8K, _L16_8K, "narrowband linear both ways"),
+    "l16-16k": (_L16_16K, _L16_16K, "wideband linear both ways"),
+    "l16-24k": (_L16_24K, _L16_24K, "linear at the model's own rate"),
+}
+
 register(Line("wideband", SAMPLE_RATE, "24 kHz, no codec (in-process)", WidebandCodec))
-register(
-    Line("twilio", phone.TWILIO_RATE, "μ-law 8 kHz both ways, the Twilio call's audio path", TwilioCodec)
-)
 register(
     Line("browser", SAMPLE_RATE, "Ogg-Opus 24 kHz both ways, the browser's /api/chat codec", BrowserCodec)
 )
+for _name, (_inbound, _outbound, _what) in PHONE_LINES.items():
+    register(_phone_line(_name, _inbound, _outbound, _what))

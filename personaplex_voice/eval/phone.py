@@ -1,9 +1,8 @@
 """Everything `eval` takes from the phone-call code, in one place.
 
-A scenario's persona is a persona as the phone bridge knows it (personas file, prompt template
-and variables, action rules), and its `twilio` line is the phone call's own μ-law 8 kHz audio
-path. Those live in the Twilio bridge today (`personaplex_twilio`); when they move to the
-carrier-neutral phone package, only the imports of this module change.
+A scenario's persona is a persona as the phone call knows it (personas file, prompt template
+and variables, action rules), and its phone lines are the phone call's own audio path in each
+carrier's format. All of it is the carrier-neutral phone package's (`personaplex_phone`).
 """
 
 from __future__ import annotations
@@ -12,23 +11,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from personaplex_twilio.actions import ACTION_KINDS, ActionMatcher, ActionRule
-from personaplex_twilio.audio_path import TWILIO_RATE, InboundAudio, OutboundAudio
-from personaplex_twilio.context import CALL_FACTS
-from personaplex_twilio.personas import PersonaBook, PersonaSpec, spec_from_dict
+from personaplex_phone.actions import ACTION_KINDS, ActionMatcher, ActionRule
+from personaplex_phone.audio_path import InboundAudio, OutboundAudio, codec_for
+from personaplex_phone.carrier import AudioFormat
+from personaplex_phone.context import CALL_FACTS
+from personaplex_phone.personas import PersonaBook, PersonaSpec, spec_from_dict
 
 from personaplex_voice.engine.base import Persona
 
 __all__ = [
     "ACTION_KINDS",
     "CALL_FACTS",
-    "TWILIO_RATE",
     "ActionMatcher",
     "ActionRule",
+    "AudioFormat",
     "InboundAudio",
     "OutboundAudio",
     "PersonaBook",
     "PersonaSpec",
+    "codec_for",
     "ends_call",
     "load_book",
     "render",

@@ -66,7 +66,9 @@ class ServerSettings(BaseSettings):
     api_key: SecretStr | None = None
     # Comma-separated list of allowed browser origins; empty or "*" allows every origin.
     allowed_origins: str = "*"
-    twilio: bool = False
+    twilio: bool = False  # the same as "twilio" in `carriers`
+    # Phone carriers to mount (personaplex_phone): "twilio,telnyx,plivo,vonage,exotel".
+    carriers: str = ""
     # Call records (the Twilio bridge's transcripts, recordings, JSON records) are kept here.
     records_dir: Path | None = None
     # Largest WebSocket message accepted on /api/chat (an Ogg page is at most ~64 KiB).
@@ -143,6 +145,14 @@ class ServerSettings(BaseSettings):
             "idle_timeout_s": self.idle_timeout_s or None,
             "cache_bytes": round(self.persona_cache_mb * (1 << 20)),
         }
+
+    @property
+    def carrier_names(self) -> list[str]:
+        """The phone carriers to mount, `--twilio` included, in the order given."""
+        names = [n.strip().lower() for n in self.carriers.split(",") if n.strip()]
+        if self.twilio and "twilio" not in names:
+            names.insert(0, "twilio")
+        return names
 
     @property
     def cluster(self) -> bool:

@@ -90,8 +90,8 @@ def create_app(
     app.add_api_route("/api/cluster", _cluster, methods=["GET"])
     _serve_web_when_unmatched(app, settings.static)
 
-    if settings.twilio:
-        mount_twilio(app)
+    if settings.carrier_names:
+        mount_phone(app, settings.carrier_names)
     return app
 
 
@@ -109,16 +109,17 @@ async def end_all_calls(app: FastAPI, timeout_s: float = 3.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def mount_twilio(app: FastAPI) -> None:
+def mount_phone(app: FastAPI, carriers: list[str]) -> None:
+    """The phone carriers (`--carriers`, `--twilio`) on one phone service (personaplex_phone)."""
     from personaplex_voice.errors import UserError
 
     try:
-        import personaplex_twilio
+        import personaplex_phone
     except ImportError as exc:
         raise UserError(
-            f"--twilio needs the Twilio bridge and its extra: pip install 'personaplex-voice[twilio]' ({exc})"
+            f"--carriers needs the phone bridge and its extra: pip install 'personaplex-voice[phone]' ({exc})"
         ) from None
-    personaplex_twilio.mount(app)
+    personaplex_phone.mount(app, carriers)
 
 
 # -- loading -----------------------------------------------------------------------------------

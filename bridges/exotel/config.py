@@ -1,0 +1,41 @@
+"""Settings of the Exotel carrier: Exotel's own names for its credentials, the rest
+`PERSONAPLEX_EXOTEL_*`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from personaplex_voice.errors import UserError
+
+
+class ExotelSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_EXOTEL_", extra="ignore", populate_by_name=True)
+
+    # Exotel authenticates with HTTP Basic, API key and token, both ways: its requests to our
+    # endpoints carry them (the Voicebot applet's URL holds `KEY:TOKEN@`), our REST calls use them.
+    api_key: str = Field("", validation_alias=AliasChoices("EXOTEL_API_KEY", "api_key"))
+    api_token: SecretStr = Field(
+        SecretStr(""), validation_alias=AliasChoices("EXOTEL_API_TOKEN", "api_token")
+    )
+    account_sid: str = Field("", validation_alias=AliasChoices("EXOTEL_ACCOUNT_SID", "account_sid"))
+    # Mumbai accounts: https://cpaas-api.in.exotel.com
+    api_url: str = "https://cpaas-api.exotel.com"
+    # The Voicebot stream's rate (`?sample-rate=` on its URL): 8000 (Exotel's default, the phone
+    # network's) or 16000.
+    sample_rate: Literal[8000, 16000] = 8000
+    dev_skip_signature: bool = False
+
+    def check(self, validate: bool) -> None:
+        if (
+            validate
+            and not self.dev_skip_signature
+            and not (self.api_key and self.api_token.get_secret_value())
+        ):
+            raise UserError(
+                "the Exotel carrier needs EXOTEL_API_KEY and EXOTEL_API_TOKEN: Exotel's requests to us "
+                "carry them as HTTP Basic credentials (for local development only: "
+                "PERSONAPLEX_EXOTEL_DEV_SKIP_SIGNATURE=1)"
+            )

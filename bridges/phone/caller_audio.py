@@ -1,0 +1,104 @@
+"""The caller's side of one stream: media payloads -> the session, phased against its ticks.
+
+Each payload is decoded and, once the pieces complete one of the engine's 80 ms frames,
+resampled to 24 kHz and pushed (audio_path.InboundAudio). Ahead of the caller's first payload
+goes a little silence, phased against the engine's frame clock, so that each frame is complete
+`inbound_slack_ms` before the tick that takes it: a message that comes that much late leaves
+the agent no gap.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from personaplex_voice.audio.budget import TokenBucket
+from personaplex_voice.engine.base import SAMPLE_RATE
+
+from .audio_path import InboundAudio
+from .carrier import MULAW_8K, AudioFormat, ProtocolError
+from .playback_buffer import CHUNK_S, FRAME_S
+
+
+class CallerAudio:
+    def __init__(self, inbound_slack_ms: float, fmt: AudioFormat = MULAW_8K):
+        self.slack_ms = inbound_slack_ms
+        self.inbound = InboundAudio(fmt)
+        self.frames_in = 0
+        self.dropped = 0  # media before the session was ready
+        self.gaps = 0  # chunks the carrier numbered but we never got
+        self.last_chunk = 0
+        self.last_media = time.monotonic()  # carriers send caller audio all along, silence included
+        self.last_pcm: np.ndarray | None = None  # the latest frame pushed (for level meters)
+        self._cushioned = False
+        self._bucket_for(fmt)
+
+    def _bucket_for(self, fmt: AudioFormat) -> None:
+        # The line carries `rate` samples a second; allow 1.5x that, and a 10 s burst after a stall.
+        per_s = fmt.rate * fmt.bytes_per_sample
+        self._pace = TokenBucket(1.5 * per_s, 10 * per_s)
+
+    def set_format(self, fmt: AudioFormat) -> None:
+        """The stream says how its audio comes (its start message), before any of it came."""
+        if fmt != self.inbound.format:
+            self.inbound = InboundAudio(fmt)
+            self._bucket_for(fmt)
+
+    @property
+    def format(self) -> AudioFormat:
+        return self.inbound.format
+
+    def feed(self, payload: bytes, chunk: int | None, session: Any | None) -> None:
+        """One media payload; `session` is None until it is ready (the payload is then dropped).
+        Raises ProtocolError for audio far faster than real time (decoding it is our CPU)."""
+        if not self._pace.take(len(payload)):
+            raise ProtocolError("caller audio arrives much faster than real time")
+        self.frames_in += 1
+        self.last_media = time.monotonic()
+        if chunk is not None:
+            if self.last_chunk and chunk > self.last_chunk + 1:
+                self.gaps += chunk - self.last_chunk - 1
+            self.last_chunk = max(self.last_chunk, chunk)
+        if session is None:
+            self.dropped += 1
+            return
+        if not self._cushioned:
+            self._cushioned = True
+            message_s = self.inbound.engine_samples(len(payload)) / SAMPLE_RATE or CHUNK_S
+            lead = self.cushion_samples(session.seconds_to_next_tick(), message_s)
+            session.push(self.inbound.lead(lead))
+        pcm = self.inbound.feed(payload)
+        if pcm is not None:
+            session.push(pcm)
+            self.last_pcm = pcm
+
+    def cushion_samples(self, to_tick_s: float | None, message_s: float = CHUNK_S) -> int:
+        """Silence to push ahead of the caller's first message so that, just before each engine
+        tick, the session holds one full frame plus `inbound_slack_ms` of audio.
+
+        Messages bring 20 ms each on most carriers; the ticks come every 80 ms, the next one in
+        `to_tick_s`. Before it, this message and floor(to_tick / 20 ms) more will have come. With
+        the engine's clock idle (None) this session's first full frame starts it at once, so the
+        ticks fall on this message's phase: before each later one the session holds the cushion
+        plus the messages since the last. A carrier that sends longer messages (Exotel: about
+        100 ms) delivers its audio up to one message minus 20 ms later than that: so much more
+        cushion (and delay) it needs.
+        """
+        frame_ms, chunk_ms = FRAME_S * 1000, CHUNK_S * 1000
+        if to_tick_s is None:
+            cushion_ms = frame_ms + self.slack_ms
+        else:
+            to_tick_ms = (to_tick_s * 1000) % frame_ms
+            arriving_ms = chunk_ms + chunk_ms * (to_tick_ms // chunk_ms)
+            cushion_ms = (frame_ms + self.slack_ms - arriving_ms) % frame_ms
+        cushion_ms += max(0.0, message_s * 1000 - chunk_ms)
+        return round(cushion_ms * SAMPLE_RATE / 1000)
+
+    def metrics(self) -> dict[str, int]:
+        return {
+            "frames_in": self.frames_in,
+            "inbound_dropped_before_ready": self.dropped,
+            "inbound_gaps": self.gaps,
+        }

@@ -1,0 +1,182 @@
+"""Playout: one stream's agent audio, from the session's frames to paced media messages.
+
+Two tasks per stream: the frame reader takes each 80 ms session frame the moment the engine
+delivers it, converts it to four 20 ms payloads in the stream's outbound format and puts them
+(and a mark after each frame) in a bounded outbox; the pacer sends from the outbox at real time,
+keeping the carrier's buffer at the playout cushion plus one message (see playback_buffer.py).
+An outbox grown past `max_buffered_ms` (the engine ran ahead) loses its oldest audio: latency
+stays bounded. The messages themselves are the carrier's (its StreamWire formats them).
+
+Hooks let the call see what goes out without owning any of it: `on_frame` gets every session
+frame as it is read (its text piece, its pcm), `on_sent` every payload with the time the carrier
+will start playing it (the recording's agent channel is placed there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.websockets import WebSocketDisconnect
+
+from .audio_path import OutboundAudio, silence_chunk
+from .carrier import MULAW_8K, AudioFormat, Outgoing, StreamWire
+from .playback_buffer import CHUNK_S, FrameJitter, MarkTracker, PlaybackClock, percentile
+
+OnFrame = Callable[[Any], None]  # a session OutFrame
+OnSent = Callable[[bytes, float], None]  # (payload, monotonic time the carrier starts playing it)
+
+
+class SendFailed(Exception):
+    """The socket went away while we were sending (the receive loop notices it too)."""
+
+
+class Playout:
+    def __init__(
+        self,
+        send: Callable[[Outgoing], Awaitable[None]],
+        *,
+        max_queued_ms: float,
+        playout_cushion_ms: float,
+        max_buffered_ms: float,
+        on_frame: OnFrame | None = None,
+        on_sent: OnSent | None = None,
+    ):
+        self._send = send
+        self._on_frame = on_frame
+        self._on_sent = on_sent
+        self.messages: StreamWire | None = None  # set by `start_stream`
+        self.outbound = OutboundAudio()
+        self._silence = silence_chunk(MULAW_8K)
+        self.clock = PlaybackClock(
+            max_queued_s=max_queued_ms / 1000,
+            target_s=(round(playout_cushion_ms / 1000 / CHUNK_S) + 1) * CHUNK_S,
+        )
+        self.marks = MarkTracker()
+        self.jitter = FrameJitter()
+        self._buffer_limit = max(1, round(max_buffered_ms / 1000 / CHUNK_S))
+        # Outbound audio not yet sent: 160-byte payloads, and mark names (str) after each frame.
+        self._outbox: deque[bytes | str] = deque()  # payloads, and mark names (str)
+        self._outbox_ready = asyncio.Event()
+        self._frames_done = False
+        self._outbox_chunks = 0  # payloads (not marks) in the outbox
+        self._cushion_chunks = round(playout_cushion_ms / 1000 / CHUNK_S)
+        self._max_cushion_chunks = max(self._cushion_chunks, round(max_queued_ms / 1000 / CHUNK_S) - 1)
+        self.frames_out = 0
+        self.out_dropped = 0
+        self.max_send_gap_s = 0.0  # longest wait between two of our media messages
+        self._last_send = 0.0
+
+    def start_stream(self, messages: StreamWire, fmt: AudioFormat) -> None:
+        """The stream has started: its messages and its outbound format (before any frame)."""
+        self.messages = messages
+        if fmt != self.outbound.format:
+            self.outbound = OutboundAudio(fmt)
+            self._silence = silence_chunk(fmt)
+
+    # --- the carrier's side --------------------------------------------------------------------
+    def mark_echoed(self, name: str) -> None:
+        self.marks.echo(name, self.clock.sent_s)
+
+    def cleared(self) -> None:
+        """We sent `clear`: the carrier dropped what it held of ours."""
+        self.clock.cleared(time.monotonic())
+        self.marks.drop_all()
+
+    # --- the two tasks -------------------------------------------------------------------------
+    async def run(self, session: Any) -> None:
+        """Pace the session's audio out until its frames end. Raises SendFailed when the socket
+        goes away under us."""
+        reader = asyncio.create_task(self._read_frames(session))
+        try:
+            await self._pace()
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise SendFailed(type(exc).__name__) from exc
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    async def _read_frames(self, session: Any) -> None:
+        try:
+            async for out in session.frames():
+                self.jitter.frame(time.monotonic())
+                if self._on_frame is not None:
+                    self._on_frame(out)
+                chunks = self.outbound.convert(out.pcm)
+                self._outbox.extend(chunks)
+                self._outbox_chunks += len(chunks)
+                self._outbox.append(str(out.index))  # a mark after the frame
+                while self._outbox_chunks > self._buffer_limit:
+                    if isinstance(self._outbox.popleft(), bytes):
+                        self._outbox_chunks -= 1
+                        self.out_dropped += 1
+                self._outbox_ready.set()
+        finally:
+            self._frames_done = True
+            self._outbox_ready.set()
+
+    async def _pace(self) -> None:
+        """A 20 ms message whenever the carrier's buffer has room under the target, marks as they
+        come. An empty buffer there is first refilled with the cushion."""
+        while True:
+            if not self._outbox:
+                if self._frames_done:
+                    return
+                self._outbox_ready.clear()
+                await self._outbox_ready.wait()
+                continue
+            item = self._outbox.popleft()
+            if isinstance(item, bytes):
+                self._outbox_chunks -= 1
+            else:
+                await self._send(self.messages.mark(item))  # type: ignore[union-attr]
+                self.marks.add(item, self.clock.sent_s)
+                continue
+            if self.clock.needs_prime(time.monotonic()):
+                if self.clock.started:
+                    # The carrier ran dry: this call's engine frames come later than the cushion
+                    # covers. Grow it by a message (up to the limit), like a jitter buffer.
+                    self._cushion_chunks = min(self._cushion_chunks + 1, self._max_cushion_chunks)
+                    self.clock.target_s = (self._cushion_chunks + 1) * CHUNK_S
+                for _ in range(self._cushion_chunks):
+                    await self._send_chunk(self._silence)
+            await self._send_chunk(item)
+
+    async def _send_chunk(self, chunk: bytes) -> None:
+        now = time.monotonic()
+        wait = self.clock.wait_before_send(now)
+        if wait > 0:
+            await asyncio.sleep(wait)
+            now = time.monotonic()
+        await self._send(self.messages.media(chunk))  # type: ignore[union-attr]
+        plays_at = max(now, self.clock.play_end)
+        self.clock.sent(now, CHUNK_S)
+        if self._on_sent is not None:
+            self._on_sent(chunk, plays_at)
+        if self.frames_out:
+            self.max_send_gap_s = max(self.max_send_gap_s, now - self._last_send)
+        self._last_send = now
+        self.frames_out += 1
+
+    # --- numbers -------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        queued_ms = [q * 1000 for q in self.marks.queued_at_ack_s]
+        return {
+            "frames_out": self.frames_out,
+            "late_frames": self.clock.underruns,
+            "max_send_gap_ms": round(self.max_send_gap_s * 1000, 1),
+            "outbound_dropped": self.out_dropped,
+            "playout_cushion_ms": round(self._cushion_chunks * CHUNK_S * 1000),
+            "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
+            "jitter_p99_ms": round(self.jitter.p99_ms(), 2),
+            "max_queued_ms_model": round(self.clock.max_seen_queue_s * 1000, 1),
+            "queued_ms_marks_p50": round(percentile(queued_ms, 50), 1),
+            "queued_ms_marks_max": round(max(queued_ms, default=0.0), 1),
+            "marks_sent": self.marks.sent,
+            "marks_acked": self.marks.acked,
+        }

@@ -1,0 +1,446 @@
+"""The phone service: one per server, shared by every carrier mounted on it.
+
+It holds what calls share (settings, personas, the call registry, records, post-call webhooks,
+calls on hold) and answers each carrier's webhooks the same way: check the carrier's signature,
+decide who answers and what the agent knows about this caller (the persona for the number and
+carrier, its prompt template filled with the call's values, context.py), reserve a slot in the
+session manager with that rendered persona, and answer with the carrier's markup for a stream
+whose URL ends with the reservation's ticket. The stream itself is stream.py; the call list,
+records and the calls page are calls_api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import Response
+
+from personaplex_voice.engine.base import CapacityError, Persona, PersonaError
+from personaplex_voice.errors import UserError
+from personaplex_voice.session_api import SessionHost
+
+from .audio_path import InboundAudio, OutboundAudio
+from .carrier import CLOSE_POLICY, AudioFormat, CallFacts, Carrier, Reply, Webhook
+from .config import PhoneSettings
+from .context import CALL_FACTS, facts_body, fetch_context, pick_declared
+from .http_out import HttpOut
+from .personas import RESERVED_QUERY, PersonaBook, PersonaSpec
+from .phone_call import CallOutputs, Parking, PhoneCall
+from .records import RecordStore
+from .registry import HISTORY, CallRegistry, StreamTicket
+from .rest import RestClient
+from .stream import CallServices, PhoneStream
+from .urls import public_base, public_url_of, websocket_base
+from .webhooks import PostCallWebhooks, signed_headers
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024
+ENDED_MESSAGE = "This call has ended."
+UNCONFIGURED_MESSAGE = "Sorry, this line is not configured."
+# The line rates calls come at: their resampling filters are designed when the service starts
+# (tens of ms each), not while the first caller's audio waits.
+LINE_RATES = (8000, 16000)
+
+
+async def read_body(request: Request) -> bytes | None:
+    """The request's body, or None past MAX_BODY_BYTES (no signature matches then: refused)."""
+    body = b""
+    async for piece in request.stream():
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            return None
+    return body
+
+
+def form_fields(body: bytes) -> dict[str, str]:
+    """`application/x-www-form-urlencoded`, parsed without python-multipart."""
+    return dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
+
+
+def plain(text: str, status: int) -> Response:
+    return Response(text, status_code=status, media_type="text/plain")
+
+
+def as_response(reply: Reply) -> Response:
+    return Response(reply.body, status_code=reply.status, media_type=reply.media_type)
+
+
+class InstructionDocs:
+    """Documents of ours a carrier fetches by URL (what a live call is told to do next, on
+    carriers that take a URL rather than the document itself), kept a while under random tokens."""
+
+    TTL_S = 600.0
+    MAX_DOCS = 1000
+
+    def __init__(self) -> None:
+        self._docs: OrderedDict[str, tuple[str, Reply, float]] = OrderedDict()
+
+    def publish(self, carrier: str, reply: Reply) -> str:
+        """Keep `reply` for `carrier`; returns its token."""
+        now = time.monotonic()
+        while self._docs and (len(self._docs) >= self.MAX_DOCS or next(iter(self._docs.values()))[2] < now):
+            self._docs.popitem(last=False)
+        token = secrets.token_urlsafe(18)
+        self._docs[token] = (carrier, reply, now + self.TTL_S)
+        return token
+
+    def get(self, carrier: str, token: str) -> Reply | None:
+        found = self._docs.get(token)
+        if found is None or found[0] != carrier or found[2] < time.monotonic():
+            return None
+        return found[1]
+
+
+class PhoneService:
+    def __init__(self, app: FastAPI, settings: PhoneSettings, book: PersonaBook, records_dir: Path | None):
+        self.app = app
+        self.settings = settings
+        self.book = book
+        self.carriers: dict[str, Carrier] = {}
+        self.http = HttpOut()
+        self.rest = RestClient(settings.rest_timeout_s)
+        self.docs = InstructionDocs()
+        self.webhooks = PostCallWebhooks(
+            self.http,
+            retry_for_s=settings.webhook_retry_s,
+            first_backoff_s=settings.webhook_backoff_s,
+            attempt_timeout_s=settings.webhook_timeout_s,
+        )
+        self.store, recordings = self._record_store(records_dir)
+        self.registry = CallRegistry(self.store)
+        self.outputs = CallOutputs(
+            self.store,
+            self.webhooks,
+            settings.webhook_secret.get_secret_value(),
+            self._live_call_sids,
+            recordings=recordings,
+        )
+        self._check_personas()
+        self.parking = Parking(settings.resume_timeout_s, self._give_up)
+        self.services = CallServices(
+            settings, lambda: self.manager, self.registry, book, self.outputs, self.parking
+        )
+        # Records of earlier runs (newest first), for the call list; this run's are in the registry.
+        self.past: list[dict[str, Any]] = self.store.recent(HISTORY) if recordings else []
+        self.store.sweep(frozenset())
+        self._answering: dict[tuple[str, str], asyncio.Future[Reply]] = {}
+        for rate in LINE_RATES:
+            InboundAudio(AudioFormat("l16", rate))
+            OutboundAudio(AudioFormat("l16", rate))
+
+    def _record_store(self, records_dir: Path | None) -> tuple[RecordStore, bool]:
+        """The records folder, or a private temporary one (records, no recordings) without one:
+        an ended call's record is on disk either way, only its summary in memory."""
+        settings = self.settings
+        if records_dir is not None:
+            store = RecordStore(
+                records_dir,
+                max_age_s=settings.records_max_age_days * 86400,
+                max_bytes=round(settings.records_max_mb * (1 << 20)),
+            )
+            return store, True
+        folder = Path(tempfile.mkdtemp(prefix="personaplex-calls-"))
+        atexit.register(shutil.rmtree, folder, True)
+        temp_bytes = round(settings.temp_records_mb * (1 << 20))
+        return RecordStore(folder, max_age_s=86400, max_bytes=temp_bytes), False
+
+    def _check_personas(self) -> None:
+        for spec in self.book.specs.values():
+            if spec.webhook_url and not self.outputs.secret_for(spec):
+                where = (
+                    f"${spec.webhook_secret_env}"
+                    if spec.webhook_secret_env
+                    else "PERSONAPLEX_TWILIO_WEBHOOK_SECRET (or PERSONAPLEX_PHONE_WEBHOOK_SECRET)"
+                )
+                raise UserError(f"persona {spec.name!r}: webhook_url needs a signing secret: set {where}")
+            if spec.record and not self.outputs.recordings:
+                log.warning("phone: persona %r asks for recordings, but no --records-dir is set", spec.name)
+
+    @property
+    def manager(self) -> SessionHost | None:
+        """The server's session host (None while the engine loads)."""
+        return self.app.state.host
+
+    def _live_call_sids(self) -> set[str]:
+        return {call.call_sid for call in list(self.registry.live.values())} | self.parking.call_sids
+
+    def authorized(self, request: Request) -> bool:
+        """Bearer token: the phone API token or the server's API key."""
+        keys = [self.settings.api_token.get_secret_value()]
+        server_settings = getattr(self.app.state, "settings", None)
+        server_key = getattr(server_settings, "api_key", None)
+        if server_key is not None:
+            keys.append(server_key.get_secret_value())
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        return bool(given) and any(k and hmac.compare_digest(given, k) for k in keys)
+
+    # --- reading the carrier's requests ------------------------------------------------------
+    async def webhook(self, carrier: Carrier, request: Request) -> Webhook | None:
+        """The request as the carrier sent it, or None when it is not one of its (signature)."""
+        body = await read_body(request)
+        if body is None:
+            return None
+        query = dict(request.query_params)
+        content_type = request.headers.get("content-type", "")
+        try:
+            fields = carrier.fields(request.method, query, body, content_type)
+        except ValueError:
+            return None
+        webhook = Webhook(
+            method=request.method,
+            url=public_url_of(self.settings, request),
+            query=query,
+            headers={k.lower(): v for k, v in request.headers.items()},
+            body=body,
+            fields=fields,
+        )
+        if not self.settings.validate_signatures or carrier.verify(webhook):
+            return webhook
+        log.warning(
+            "%s: rejected a webhook with a missing or wrong signature for %s", carrier.name, webhook.url
+        )
+        return None
+
+    # --- the answer webhook --------------------------------------------------------------------
+    async def answer(self, carrier: Carrier, request: Request) -> Response:
+        webhook = await self.webhook(carrier, request)
+        if webhook is None:
+            return plain(f"invalid {carrier.name} signature", 403)
+        facts = carrier.facts(webhook)
+        # Concurrent copies of one call's webhook share one decision (the first one's): the
+        # context lookup awaits, and a second reservation must not slip in meanwhile.
+        key = (carrier.name, facts.call_id)
+        pending = self._answering.get(key) if facts.call_id else None
+        if pending is not None:
+            return as_response(await asyncio.shield(pending))
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        if facts.call_id:
+            self._answering[key] = future
+        try:
+            reply = await self._answer(carrier, webhook, facts, request)
+            future.set_result(reply)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: a lone failure is not "never retrieved"
+            raise
+        finally:
+            if self._answering.get(key) is future:
+                del self._answering[key]
+        return as_response(reply)
+
+    async def _answer(self, carrier: Carrier, webhook: Webhook, facts: CallFacts, request: Request) -> Reply:
+        call_id = facts.call_id
+        journal = self.registry.status(
+            call_id, carrier.name, "webhook", direction=facts.direction, from_=facts.from_, to=facts.to
+        )
+        query = dict(webhook.query)
+        base = public_base(self.settings, request)
+        stream_base = websocket_base(base) + carrier.paths.media
+        resume = query.get("resume")
+        if resume and self.parking.holds(resume, call_id):
+            # Back from a `play … then: resume`: the held session continues on a new stream.
+            return carrier.answer_stream(
+                carrier.stream_url(stream_base, resume), {"persona": journal.record.persona}, facts
+            )
+        outstanding = self.registry.outstanding(carrier.name, call_id) if call_id else None
+        if outstanding is not None:
+            # A copy of a webhook already answered (a replay, or the carrier retrying): the same
+            # answer, the same ticket; no second reservation.
+            log.info("%s: call %s: answer webhook repeated: same stream, same ticket", carrier.name, call_id)
+            return outstanding.answer
+        if call_id and self.registry.is_ended(call_id):
+            log.warning("%s: call %s is over: its answer webhook gets no stream", carrier.name, call_id)
+            return carrier.answer_refusal(ENDED_MESSAGE, busy=False)
+        try:
+            persona_name, spec, overrides = self._persona_for_call(carrier.name, query, facts)
+        except PersonaError as exc:
+            log.warning("%s: call %s has no usable persona: %s", carrier.name, call_id, exc)
+            journal.refused(f"persona: {exc}")
+            return carrier.answer_refusal(UNCONFIGURED_MESSAGE, busy=False)
+        journal.set_persona(persona_name)
+        manager = self.manager
+        if manager is None or manager.available <= 0:  # full: no context lookup for a busy line
+            return self._busy(carrier, call_id)
+        flow = pick_declared({k: v for k, v in query.items() if k not in RESERVED_QUERY}, spec.variables)
+        values = await self._call_values(spec, facts, flow)
+        persona = spec.render({**values, "From": facts.from_, "To": facts.to, "CallSid": call_id})
+        if overrides:
+            persona = Persona(
+                text_prompt=overrides.get("text_prompt", persona.text_prompt),
+                voice=overrides.get("voice", persona.voice),
+                sampling=persona.sampling,
+                seed=overrides.get("seed", persona.seed),
+            )
+        try:
+            ttl_s = self.settings.stream_connect_timeout_s
+            ticket = manager.reserve(ttl_s=ttl_s, persona=persona)
+        except CapacityError:
+            return self._busy(carrier, call_id)
+        # The ticket is the stream URL's last segment (carriers that sign the upgrade sign over
+        # it). The flow's values travel beside it, so a stream served by another front-end
+        # knows them.
+        reply = carrier.answer_stream(
+            carrier.stream_url(stream_base, ticket.id), {"persona": persona_name, **flow}, facts
+        )
+        self.registry.issued(
+            StreamTicket(
+                ticket.id,
+                carrier.name,
+                persona_name,
+                call_id,
+                time.monotonic() + ttl_s,
+                reply,
+                variables=values,
+                facts=facts,
+            )
+        )
+        return reply
+
+    def _busy(self, carrier: Carrier, call_id: str) -> Reply:
+        self.registry.status(call_id, carrier.name, "busy").refused("busy")
+        return carrier.answer_refusal(self.settings.busy_message, busy=True)
+
+    def _persona_for_call(
+        self, carrier: str, query: dict[str, str], facts: CallFacts
+    ) -> tuple[str, PersonaSpec, dict[str, Any]]:
+        outbound = query.get("outbound")
+        if outbound:  # a one-off persona of an outbound call request (the URL is signed)
+            found = self.registry.take_outbound(outbound)
+            if found is None:
+                raise PersonaError("the outbound call request expired")
+            return found.persona_name, self.book.spec(found.persona_name), found.overrides
+        name = query.get("persona") or self.book.for_number(facts.to, carrier)
+        return name, self.book.spec(name), {}
+
+    async def _call_values(self, spec: PersonaSpec, facts: CallFacts, flow: dict[str, str]) -> dict[str, str]:
+        """The declared variables for this call: defaults < the flow's < the context lookup's."""
+        values = {**spec.variables, **flow}
+        if spec.context_url:
+            body = facts_body(
+                {
+                    "call_sid": facts.call_id,
+                    "from": facts.from_,
+                    "to": facts.to,
+                    "direction": facts.direction,
+                    "persona": spec.name,
+                    "variables": values,
+                }
+            )
+            headers = signed_headers(self.outputs.secret_for(spec), body, "call.context")
+            fetched = await fetch_context(self.http, spec.context_url, body, spec.context_timeout_s, headers)
+            values.update(pick_declared(fetched, spec.variables))
+        return {k: v for k, v in values.items() if k not in CALL_FACTS}
+
+    # --- status events ---------------------------------------------------------------------------
+    async def status(self, carrier: Carrier, request: Request) -> Response:
+        webhook = await self.webhook(carrier, request)
+        if webhook is None:
+            return plain(f"invalid {carrier.name} signature", 403)
+        news = carrier.status(webhook)
+        if news is None or not news.call_id:
+            return Response(status_code=204)
+        journal = self.registry.find(news.call_id)
+        if journal is not None or news.facts is not None:
+            facts = news.facts or CallFacts(news.call_id)
+            journal = self.registry.status(
+                news.call_id,
+                carrier.name,
+                news.status,
+                direction=facts.direction,
+                from_=facts.from_,
+                to=facts.to,
+            )
+            if news.duration_s:
+                journal.note_metric("call_duration_s", news.duration_s)
+        if news.terminal:
+            self.registry.mark_ended(news.call_id)
+            cancelled = [t for t in self.registry.tickets_for_call(news.call_id) if self._cancel(t)]
+            if cancelled:
+                log.info(
+                    "%s: call %s ended (%s) before its stream started",
+                    carrier.name,
+                    news.call_id,
+                    news.status,
+                )
+            held = self.parking.release(news.call_id)
+            if held is not None:  # the caller hung up during a message, before coming back
+                await self._close_held(held, f"caller hung up ({news.status}) during a message")
+            if journal is not None and not journal.live and journal.ended is None:
+                journal.close()  # the call never streamed: it is over all the same
+        log.info("%s: call %s status %s", carrier.name, news.call_id, news.status)
+        return Response(status_code=204)
+
+    def _cancel(self, ticket_id: str) -> bool:
+        manager = self.manager
+        return manager is not None and manager.cancel(ticket_id)
+
+    async def _give_up(self, call: PhoneCall, reason: str) -> None:
+        """A held call that did not come back: end it for good."""
+        await self._close_held(call, reason)
+        carrier = self.carriers.get(call.record.carrier)
+        if carrier is not None:
+            await carrier.control.hang_up(call.handle)
+
+    async def _close_held(self, call: PhoneCall, reason: str) -> None:
+        if call.session is not None:
+            with contextlib.suppress(Exception):
+                await call.session.close(reason="client")
+        await call.finish(reason, call.record.metrics)
+
+    # --- the stream ------------------------------------------------------------------------------
+    async def media_stream(self, carrier: Carrier, ws: WebSocket) -> None:
+        ticket = ws.path_params.get("ticket", "")
+        if self.settings.validate_signatures and not carrier.verify_upgrade(ws):
+            log.warning("%s: rejected a media stream upgrade with a missing or wrong signature", carrier.name)
+            await ws.close(code=CLOSE_POLICY)  # before accept: the client gets HTTP 403
+            return
+        await ws.accept()
+        await PhoneStream(ws, ticket, self.services, carrier, public_base(self.settings, ws)).run()
+
+    async def unticketed_stream(self, carrier: Carrier, ws: WebSocket) -> None:
+        """The bare stream URL: refused. Every stream comes from our answer's ticketed URL (a
+        fixed URL would let anyone who saw it open streams at will)."""
+        log.warning(
+            "%s: refused a media stream without a ticket (point the number at %s)",
+            carrier.name,
+            carrier.paths.answer,
+        )
+        await ws.close(code=CLOSE_POLICY)
+
+    # --- documents carriers fetch ------------------------------------------------------------------
+    def publish(self, carrier: Carrier, reply: Reply, base: str) -> str:
+        """Serve `reply` to `carrier` (signed requests only) at a URL of its own; returns the URL."""
+        token = self.docs.publish(carrier.name, reply)
+        return f"{base}/{carrier.name}/instructions/{token}"
+
+    async def instructions(self, carrier: Carrier, request: Request) -> Response:
+        webhook = await self.webhook(carrier, request)
+        if webhook is None:
+            return plain(f"invalid {carrier.name} signature", 403)
+        reply = self.docs.get(carrier.name, request.path_params.get("token", ""))
+        if reply is None:
+            return plain("no such document (expired?)", 404)
+        return as_response(reply)
+
+
+def records_dir_for(settings: PhoneSettings, app: FastAPI) -> Path | None:
+    """The phone settings' own folder, else the server's `--records-dir`."""
+    server = getattr(app.state, "settings", None)
+    chosen = settings.records_dir or getattr(server, "records_dir", None)
+    return Path(os.path.expanduser(str(chosen))) if chosen else None

@@ -1,0 +1,521 @@
+"""One media stream on `/<carrier>/media-stream/<ticket>`: the life cycle of a call's stream.
+
+Per stream run: the receive loop (`run`: the carrier's StreamWire turns each message into an
+event; caller audio goes through caller_audio.py), a watchdog (idle and duration limits), the
+session opener, then the playout (playout.py: session frames -> paced media and marks). The call
+around the stream (its journal, recording, action rules) is a `PhoneCall`. DTMF and the agent's
+text go through the call's rules; an action that fires runs in its own task (the carrier's REST
+API), never on the audio path.
+
+Whatever ends the stream (the carrier's stop, a limit, the session ending on the server, a DTMF
+hang-up digit, an action) goes through `_finish`: close the session (or park it, for a `play`
+that resumes), clear the carrier's buffer of ours, give the call its last instructions via REST
+when it is still up (hang up, a goodbye, an apology when the engine was lost), close the socket,
+finish the call.
+
+Anything malformed closes this call's socket and frees its slot; nothing here can block another
+call (every wait is bounded, every queue is bounded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from personaplex_voice.engine.base import CapacityError, Persona
+from personaplex_voice.session_api import CallSession, SessionHost, TicketError
+
+from .actions import ActionRule
+from .caller_audio import CallerAudio
+from .carrier import (
+    CLOSE_ERROR,
+    CLOSE_NORMAL,
+    CLOSE_TOO_BIG,
+    CallerMedia,
+    CallHandle,
+    Carrier,
+    Dial,
+    Digit,
+    Hangup,
+    MarkPlayed,
+    Outcome,
+    Outgoing,
+    Play,
+    ProtocolError,
+    Redirect,
+    Resume,
+    Say,
+    Step,
+    StreamStart,
+    StreamStop,
+)
+from .config import PhoneSettings
+from .personas import DEFAULT_NAME, PersonaBook, PersonaSpec, plain_spec
+from .phone_call import CallOutputs, Parking, PhoneCall
+from .playout import Playout, SendFailed
+from .registry import CallRegistry
+
+log = logging.getLogger(__name__)
+
+
+class CallEnded(Exception):
+    """The stream ends for a reason we decided (limits, hang-up digit, session end, an action).
+
+    `hang_up`: end the call via REST; `steps`: give it these instructions instead (a goodbye, an
+    apology, a fallback) and hang up only if the carrier refuses them."""
+
+    def __init__(self, reason: str, hang_up: bool, steps: Sequence[Step] | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.hang_up = hang_up
+        self.steps = list(steps or ())
+
+
+def session_close_reason(call_end: str) -> str:
+    """The session layer's (bounded) close reason for why a call ended; the full text goes to
+    the call record and the log."""
+    if call_end.startswith(("protocol error", "bridge error")):
+        return "transport_error"
+    if call_end == "max duration":
+        return "max_duration"
+    if call_end in ("idle timeout", "no start message"):
+        return "idle"
+    return "client"
+
+
+@dataclass
+class CallServices:
+    """What a stream uses of the phone service, and nothing more."""
+
+    settings: PhoneSettings
+    manager: Callable[[], SessionHost | None]  # the server's session host (None while the engine loads)
+    registry: CallRegistry
+    book: PersonaBook
+    outputs: CallOutputs
+    parking: Parking
+
+
+def level_db(pcm: np.ndarray | None) -> float:
+    """RMS level in dBFS (for the calls page's meters), -90 for silence."""
+    if pcm is None or not len(pcm):
+        return -90.0
+    rms = float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64))))
+    return round(max(-90.0, 20 * math.log10(rms)) if rms > 0 else -90.0, 1)
+
+
+def steps_for(rule: ActionRule, persona: str, resume_token: str | None) -> list[Step]:
+    """What a fired rule asks of the carrier (hang-up without words is `CallControl.hang_up`)."""
+    if rule.kind == "transfer":
+        dial = Dial(rule.to or "", caller_id=rule.caller_id, whisper=rule.whisper, rule=(persona, rule.index))
+        return [Say(rule.announce), dial] if rule.announce else [dial]
+    if rule.kind == "hangup":
+        return [Say(rule.say), Hangup()] if rule.say else [Hangup()]
+    if rule.kind == "play":
+        steps: list[Step] = []
+        if rule.say:
+            steps.append(Say(rule.say))
+        if rule.play_url:
+            steps.append(Play(rule.play_url))
+        steps.append(Resume(resume_token, persona) if resume_token else Hangup())
+        return steps
+    return [Redirect(rule.url or "")]
+
+
+class PhoneStream:
+    def __init__(
+        self, ws: WebSocket, ticket: str, services: CallServices, carrier: Carrier, public_base: str
+    ):
+        self.ws = ws
+        self.ticket = ticket  # our answer's reservation (or a resume token): the stream URL's last segment
+        self.services = services
+        self.carrier = carrier
+        self.settings = settings = services.settings
+        self.public_base = public_base
+        self.wire = carrier.new_wire()
+        self.stream_sid = ""
+        self.call_sid = ""
+        self.handle = CallHandle("")
+        self.call: PhoneCall | None = None
+        self.session: CallSession | None = None
+        self.session_ready = False
+        self.caller = CallerAudio(settings.inbound_slack_ms)
+        self.playout = Playout(
+            self._send,
+            max_queued_ms=settings.max_queued_ms,
+            playout_cushion_ms=settings.playout_cushion_ms,
+            max_buffered_ms=settings.max_buffered_ms,
+            on_frame=self._on_agent_frame,
+            on_sent=self._on_agent_sent,
+        )
+        self.dtmf: list[str] = []
+        self.started_at = time.monotonic()
+        self.last_agent_pcm: np.ndarray | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._main: asyncio.Task[Any] | None = None
+        self._receiving = False
+        self._started = False
+        self._opener: asyncio.Task[None] | None = None
+        self._ended: CallEnded | None = None
+        self._actions: set[asyncio.Task[None]] = set()
+        self._park_token: str | None = None  # set by a `play … then: resume` that went through
+        self._live_key = ""
+
+    @property
+    def record(self) -> Any:
+        return self.call.record if self.call is not None else None
+
+    @property
+    def name(self) -> str:
+        return self.carrier.name
+
+    # --- the receive loop ---------------------------------------------------------------------
+    async def run(self) -> None:
+        reason, hang_up, close_code, steps = "stop", False, CLOSE_NORMAL, []
+        self._main = asyncio.current_task()
+        watchdog = asyncio.create_task(self._watch_limits())
+        try:
+            await self._receive_loop()
+        except ProtocolError as exc:
+            log.warning("%s %s: protocol error: %s", self.name, self.stream_sid or "(no stream)", exc)
+            reason, close_code = f"protocol error: {exc}", exc.code
+        except CallEnded as exc:
+            reason, hang_up, steps = exc.reason, exc.hang_up, exc.steps
+        except WebSocketDisconnect:
+            # Carriers that end a stream by closing it (Plivo, Vonage) end the call this way.
+            reason = "stop" if self._started and self.carrier.stream_ends_on_close else "socket closed"
+        except asyncio.CancelledError:
+            if self._ended is None:  # the server is shutting down: not ours to swallow
+                raise
+            uncancel = getattr(self._main, "uncancel", None)
+            if uncancel is not None:
+                uncancel()
+            ended = self._ended
+            reason, hang_up, steps = ended.reason, ended.hang_up, ended.steps
+        except Exception:
+            log.exception("%s %s: bridge failure", self.name, self.stream_sid)
+            reason, hang_up, close_code = "bridge error", True, CLOSE_ERROR
+        finally:
+            self._receiving = False
+            watchdog.cancel()
+            await self._finish(reason, hang_up, close_code, steps)
+
+    def _max_call_s(self) -> float:
+        spec_limit = self.call.spec.max_call_s if self.call is not None else None
+        return min(self.settings.max_call_s, spec_limit or math.inf)
+
+    async def _watch_limits(self) -> None:
+        """Ends the call past its limits: no caller audio for `idle_timeout_s` (or no start within
+        `stream_connect_timeout_s`), or its length limit in all (then with the persona's goodbye)."""
+        while True:
+            now = time.monotonic()
+            idle_limit = (
+                self.settings.idle_timeout_s if self._started else self.settings.stream_connect_timeout_s
+            )
+            started = self.call.started_at if self.call is not None else self.started_at
+            if now - started >= self._max_call_s():
+                goodbye = self.call.spec.goodbye if self.call is not None else None
+                self._end("max duration", hang_up=True, steps=[Say(goodbye), Hangup()] if goodbye else None)
+                return
+            if now - self.caller.last_media >= idle_limit:
+                self._end("idle timeout" if self._started else "no start message", hang_up=True)
+                return
+            await asyncio.sleep(min(0.5, idle_limit / 4))
+
+    async def _receive_loop(self) -> None:
+        # One plain `receive` per message (no timer task each time): limits and a session that
+        # ends on the server interrupt it through `_end`.
+        self._receiving = True
+        limit = self.settings.max_message_bytes
+        while True:
+            if self._ended is not None:
+                raise self._ended
+            raw = await self.ws.receive()
+            if raw["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(raw.get("code", CLOSE_NORMAL))
+            size = len(raw.get("text") or raw.get("bytes") or b"")
+            if size > limit:
+                raise ProtocolError(f"message of {size} bytes exceeds {limit}", CLOSE_TOO_BIG)
+            event = self.wire.parse(raw)
+            if event is not None and self._handle(event):
+                return
+
+    def _handle(self, event: Any) -> bool:
+        """Dispatch one event; True when the stream is over."""
+        if isinstance(event, StreamStart):
+            self._on_start(event)
+            return False
+        if not self._started:
+            raise ProtocolError(f"{type(event).__name__} before the stream started")
+        if isinstance(event, CallerMedia):
+            self._on_media(event)
+        elif isinstance(event, MarkPlayed):
+            self.playout.mark_echoed(event.name)
+        elif isinstance(event, Digit):
+            self._on_dtmf(event.digit)
+        elif isinstance(event, StreamStop):
+            return True
+        return False
+
+    def _on_start(self, start: StreamStart) -> None:
+        if self._started:
+            raise ProtocolError("a second start on one stream")
+        services = self.services
+        registry = services.registry
+        call = services.parking.take(self.ticket, start.call_id)
+        issued = None
+        if call is not None:  # the same call back from a `play … then: resume`
+            call.new_stream(start.stream_id)
+            registry.status(start.call_id, self.name, "stream-resumed")
+        else:
+            try:
+                issued = registry.claim(self.ticket, start.call_id)
+            except LookupError:
+                raise ProtocolError("the stream ticket belongs to another call") from None
+            params = dict(start.params)
+            persona_name = issued.persona_name if issued is not None else params.get("persona", "")
+            journal = registry.status(start.call_id, self.name, "stream-started", persona=persona_name)
+            # Which values filled the prompt: known here when our answer ran in this process,
+            # else the flow's own (carried as parameters; a context lookup's are in the prompt).
+            variables = (
+                issued.variables
+                if issued is not None
+                else {k: v for k, v in params.items() if k != "persona"}
+            )
+            call = PhoneCall(
+                self._spec(persona_name),
+                journal,
+                services.outputs,
+                self.public_base,
+                stream_id=start.stream_id,
+                variables=variables,
+                caller_rate=start.inbound.rate,
+                agent_rate=start.outbound.rate,
+            )
+        self.call = call
+        self._started = True
+        self.stream_sid, self.call_sid = start.stream_id, start.call_id
+        facts = issued.facts if issued is not None else None
+        self.handle = CallHandle(
+            start.call_id,
+            control_id=start.control_id,
+            account=start.account or getattr(facts, "account", ""),
+            public_base=self.public_base,
+        )
+        call.handle = self.handle
+        self.caller.set_format(start.inbound)
+        self.playout.start_stream(self.wire, start.outbound)
+        self.caller.last_media = time.monotonic()
+        call.journal.set_metrics(
+            {"audio_in": start.inbound.describe(), "audio_out": start.outbound.describe()}
+        )
+        self._live_key = start.stream_id or self.ticket
+        registry.live[self._live_key] = self
+        if call.session is not None:
+            self.session, self.session_ready = call.session, True
+            self._sender = asyncio.create_task(self._send_loop())
+        else:
+            # Open the session without holding up the receive loop: prefill can take a while.
+            self._opener = asyncio.create_task(self._open_session())
+
+    def _spec(self, persona_name: str) -> PersonaSpec:
+        spec = self.services.book.specs.get(persona_name)
+        if spec is None:  # a one-off persona, or a personas file another front-end has
+            spec = plain_spec(persona_name or DEFAULT_NAME, Persona())
+        return spec
+
+    async def _open_session(self) -> None:
+        manager = self.services.manager()
+        try:
+            # The persona (its prompt rendered for this call) is the one our answer reserved the
+            # slot for, carried by the ticket.
+            self.session = await manager.open(None, ticket=self.ticket)
+            await asyncio.wait_for(self.session.ready(), self.settings.ready_timeout_s)
+        except TicketError:
+            log.warning("%s %s: the stream's ticket is unknown, used or expired", self.name, self.stream_sid)
+            self._end("ticket refused", hang_up=True)
+            return
+        except CapacityError:
+            self._end("no free slot", hang_up=True)
+            return
+        except Exception as exc:  # PersonaError, a prefill timeout or a bug: only this call ends
+            log.warning("%s %s: session could not start: %s", self.name, self.stream_sid, exc)
+            self._end(f"session failed: {exc}", hang_up=True)
+            return
+        if self.call is not None:
+            self.call.session_started(self.session)
+        self.session_ready = True
+        self._sender = asyncio.create_task(self._send_loop())
+
+    def _end(self, reason: str, hang_up: bool, steps: Sequence[Step] | None = None) -> None:
+        """Ends the stream for `reason`; from another task this interrupts the receive loop."""
+        if self._ended is not None:
+            return
+        self._ended = CallEnded(reason, hang_up, steps)
+        if self._receiving and self._main is not None and asyncio.current_task() is not self._main:
+            self._main.cancel()
+
+    def _on_media(self, media: CallerMedia) -> None:
+        self.caller.feed(media.payload, media.chunk, self.session if self.session_ready else None)
+        call = self.call
+        if call is not None:
+            pcm = self.caller.inbound.decode(media.payload) if call.records_audio else None
+            call.caller_media(pcm, media.chunk, self.caller.last_media)
+
+    def _on_dtmf(self, digit: str) -> None:
+        self.dtmf.append(digit)
+        log.info("%s %s: DTMF %s", self.name, self.stream_sid, digit)
+        rules = self.call.dtmf(digit) if self.call is not None else []
+        if digit in self.settings.hangup_digits:
+            raise CallEnded(f"hang-up digit {digit}", hang_up=True)
+        for rule in rules:
+            self._act(rule, f"dtmf {digit}")
+
+    # --- the agent's side (called by the playout's tasks) ---------------------------------
+    def _on_agent_frame(self, out: Any) -> None:
+        self.last_agent_pcm = out.pcm
+        if out.text and self.call is not None:
+            for rule, phrase in self.call.agent_text(out.text, out.index, time.monotonic()):
+                self._act(rule, f"agent said {phrase!r}")
+
+    def _on_agent_sent(self, chunk: bytes, plays_at: float) -> None:
+        if self.call is not None and self.call.records_audio:
+            self.call.agent_sent(self.playout.outbound.decode(chunk), plays_at)
+
+    async def _send(self, message: Outgoing) -> None:
+        # No lock: one task writes at a time (the pacer; `_finish` sends `clear` only after it
+        # has cancelled the pacer and waited for it), and uvicorn sends each message whole.
+        if isinstance(message, bytes):
+            await self.ws.send_bytes(message)
+        else:
+            await self.ws.send_text(message)
+
+    async def _send_loop(self) -> None:
+        try:
+            await self.playout.run(self.session)
+        except SendFailed as exc:
+            # The socket went away under us; the receive loop notices and ends the call.
+            self._end(f"socket closed while sending ({exc})", hang_up=False)
+            return
+        reason = getattr(self.session, "close_reason", None) or "session ended"
+        if reason == "engine_lost":
+            # The engine serving this call is gone: an apology (or the carrier's fallback).
+            steps = self.carrier.engine_lost(self.settings.engine_lost_message)
+            self._end("session ended: engine_lost", hang_up=True, steps=steps)
+            return
+        self._end(f"session ended: {reason}", hang_up=True)
+
+    # --- actions ----------------------------------------------------------------------------
+    def _act(self, rule: ActionRule, trigger: str) -> None:
+        if self._ended is not None:
+            return
+        task = asyncio.get_running_loop().create_task(self._run_action(rule, trigger))
+        self._actions.add(task)
+        task.add_done_callback(self._actions.discard)
+
+    async def _run_action(self, rule: ActionRule, trigger: str) -> None:
+        if rule.after_s:
+            await asyncio.sleep(rule.after_s)
+        call = self.call
+        if self._ended is not None or call is None:
+            return
+        control = self.carrier.control
+        resume_token = Parking.new_token() if rule.kind == "play" and rule.then == "resume" else None
+        if rule.kind == "hangup" and not rule.say:
+            outcome = await control.hang_up(self.handle)
+        else:
+            outcome = await control.instruct(self.handle, steps_for(rule, call.spec.name, resume_token))
+        call.log_action(rule, trigger, outcome.ok, outcome.detail)
+        if self._ended is not None:
+            return
+        if outcome.ok or rule.kind == "hangup":
+            # The carrier follows the new instructions (this stream stops); a hang-up that it
+            # refused still ends the call: with our stream gone, it has nothing left.
+            self._park_token = resume_token if outcome.ok else None
+            self._end(f"action {rule.describe()} ({trigger})", hang_up=False)
+
+    # --- the end ---------------------------------------------------------------------------
+    async def _finish(self, reason: str, hang_up: bool, close_code: int, steps: list[Step]) -> None:
+        for task in (self._opener, self._sender, *self._actions):
+            if task is not None and not task.done() and task is not asyncio.current_task():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        parked = False
+        call = self.call
+        if self._park_token and call is not None and self.session_ready and not self.session.closed:
+            self.services.parking.park(self._park_token, call)  # the session waits for the caller
+            parked = True
+        elif self.session is not None:
+            with contextlib.suppress(Exception):
+                await self.session.close(reason=session_close_reason(reason))
+        connected = self.ws.client_state == WebSocketState.CONNECTED
+        if connected and self._started:
+            # Drop whatever the carrier still holds of ours, then hang up before the socket goes.
+            with contextlib.suppress(Exception):
+                await self._send(self.wire.clear())
+                self.playout.cleared()
+        control = self.carrier.control
+        if self.call_sid and steps:
+            outcome: Outcome = await control.instruct(self.handle, steps)
+            if not outcome.ok and hang_up:
+                await control.hang_up(self.handle)
+        elif hang_up and self.call_sid:
+            await control.hang_up(self.handle)
+        self.services.registry.live.pop(self._live_key, None)
+        metrics = self.metrics()
+        if call is not None:  # before the socket closes: whoever saw the call end finds its record
+            call.journal.set_metrics(metrics)
+            self.services.registry.status(self.call_sid, self.name, "stream-ended")
+            if not parked:
+                await call.finish(reason, metrics)
+        if connected:
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=close_code, reason=reason[:100])
+        log.info(
+            "%s %s: call %s ended (%s) call_metrics=%s",
+            self.name,
+            self.stream_sid,
+            self.call_sid,
+            reason,
+            json.dumps(metrics, default=str),
+        )
+
+    # --- what the call list and the calls page show ----------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        stats = getattr(self.session, "stats", None) if self.session is not None else None
+        return {
+            "duration_s": round(time.monotonic() - self.started_at, 3),
+            **self.caller.metrics(),
+            **self.playout.metrics(),
+            "dtmf": "".join(self.dtmf),
+            "session": dict(stats) if isinstance(stats, dict) else None,
+        }
+
+    def live_view(self) -> dict[str, Any]:
+        record = self.record
+        started = self.call.started_at if self.call is not None else self.started_at
+        return {
+            "call_sid": self.call_sid,
+            "carrier": self.name,
+            "stream_sid": self.stream_sid,
+            "persona": getattr(record, "persona", ""),
+            "from": getattr(record, "from_", ""),
+            "to": getattr(record, "to", ""),
+            "audio": self.caller.format.describe(),
+            "duration_s": round(time.monotonic() - started, 1),
+            "caller_level_db": level_db(self.caller.last_pcm),
+            "agent_level_db": level_db(self.last_agent_pcm),
+            "transcript_pieces": len(record.transcript) if record is not None else 0,
+            "actions": len(record.actions) if record is not None else 0,
+            "recording": bool(getattr(record, "recording", False)),
+        }

@@ -1,0 +1,128 @@
+"""Plivo's bidirectional audio stream: its WebSocket messages, both ways.
+
+Plivo sends JSON text: `start` (`start.callId`, `start.streamId`, `start.mediaFormat`
+{encoding, sampleRate}; `extra_headers`, our `extraHeaders`), `media` (`media.payload` base64,
+`track`, `chunk`, `timestamp`), `dtmf` (`dtmf.digit`), `playedStream` (the answer to one of our
+`checkpoint`s: everything before it has played), `clearedAudio` (the answer to `clearAudio`).
+The stream ends when the socket closes (some accounts also send `stop`). We send `playAudio`
+(20 ms of audio, base64, with its content type and rate), `checkpoint` (named) and `clearAudio`.
+
+Audio: `audio/x-l16` is 16-bit linear PCM, **little-endian**, at the stream's `sampleRate` (8000
+or 16000); `audio/x-mulaw` is μ-law at 8 kHz. Both directions use the stream's content type.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import unquote
+
+from personaplex_phone import wire_json as j
+from personaplex_phone.carrier import (
+    CLOSE_INVALID_DATA,
+    AudioFormat,
+    CallerMedia,
+    Digit,
+    MarkPlayed,
+    ProtocolError,
+    StreamEvent,
+    StreamStart,
+    StreamStop,
+)
+
+
+def audio_format(content_type: str, rate: int | None = None) -> AudioFormat:
+    """`audio/x-l16;rate=16000` (or an encoding and a separate rate) as the call's format."""
+    kind, _, rest = content_type.partition(";")
+    if rate is None:
+        rate = j.number(rest.strip().removeprefix("rate=")) or 8000
+    kind = kind.strip().lower()
+    if kind == "audio/x-l16" and rate in (8000, 16000):
+        return AudioFormat("l16", rate, big_endian=False)
+    if kind == "audio/x-mulaw" and rate == 8000:
+        return AudioFormat("pcmu", 8000)
+    raise ProtocolError(f"Plivo audio {kind or '?'} at {rate} Hz is not supported here", CLOSE_INVALID_DATA)
+
+
+def content_type_of(fmt: AudioFormat) -> str:
+    return "audio/x-mulaw" if fmt.codec == "pcmu" else "audio/x-l16"
+
+
+def extra_headers(value: Any) -> dict[str, str]:
+    """Our `extraHeaders` as Plivo hands them back: a JSON object, or `key=value,key=value`."""
+    if isinstance(value, dict):
+        return j.string_map(value)
+    if not isinstance(value, str) or not value.strip():
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        pairs = (item.partition("=") for item in value.split(","))
+        return {unquote(k.strip()): unquote(v.strip()) for k, sep, v in pairs if sep and k.strip()}
+    return j.string_map(parsed)
+
+
+class PlivoWire:
+    def __init__(self) -> None:
+        self.stream_id = ""
+        self.format = AudioFormat("l16", 16000)
+        self._play_head = ""
+
+    def parse(self, raw: Mapping[str, Any]) -> StreamEvent | None:
+        message = j.json_message(raw)
+        event = message["event"]
+        if event == "start":
+            return self._start(message)
+        if not self.stream_id:
+            raise ProtocolError(f"`{event}` before `start`")
+        stream_id = message.get("streamId")
+        if stream_id is not None and stream_id != self.stream_id:
+            raise ProtocolError(f"`{event}` for another stream ({stream_id!r})")
+        if event == "media":
+            media = j.section(message, "media")
+            if media.get("track", "inbound") not in ("inbound", "inbound_track"):
+                return None
+            return CallerMedia(j.b64_payload(media), j.number(media.get("chunk")))
+        if event == "playedStream":
+            name = message.get("name")
+            return MarkPlayed(name) if isinstance(name, str) else None
+        if event == "dtmf":
+            dtmf = message.get("dtmf")
+            return Digit(j.digit(dtmf.get("digit") if isinstance(dtmf, dict) else message.get("digit")))
+        if event == "stop":
+            return StreamStop()
+        return None  # clearedAudio and anything new
+
+    def _start(self, message: dict[str, Any]) -> StreamStart:
+        if self.stream_id:
+            raise ProtocolError("a second `start` on one stream")
+        start = j.section(message, "start")
+        stream_id, call_id = start.get("streamId"), start.get("callId")
+        if not isinstance(stream_id, str) or not stream_id or not isinstance(call_id, str) or not call_id:
+            raise ProtocolError("`start` without streamId/callId", CLOSE_INVALID_DATA)
+        media_format = start.get("mediaFormat") or {}
+        if not isinstance(media_format, dict):
+            raise ProtocolError("`mediaFormat` must be an object", CLOSE_INVALID_DATA)
+        self.format = audio_format(
+            str(media_format.get("encoding", "audio/x-l16")), j.number(media_format.get("sampleRate", 8000))
+        )
+        self.stream_id = stream_id
+        self._play_head = (
+            '{"event":"playAudio","streamId":'
+            + json.dumps(stream_id)
+            + ',"media":{"contentType":"'
+            + content_type_of(self.format)
+            + f'","sampleRate":{self.format.rate},"payload":"'
+        )
+        params = extra_headers(message.get("extra_headers", start.get("extra_headers")))
+        return StreamStart(stream_id, call_id, self.format, self.format, params=params)
+
+    def media(self, payload: bytes) -> str:
+        return self._play_head + j.b64(payload) + '"}}'
+
+    def mark(self, name: str) -> str:
+        return j.dumps({"event": "checkpoint", "streamId": self.stream_id, "name": name})
+
+    def clear(self) -> str:
+        return j.dumps({"event": "clearAudio", "streamId": self.stream_id})

@@ -1,0 +1,39 @@
+"""Settings of the Telnyx carrier: Telnyx's own variable names for its secrets, the rest
+`PERSONAPLEX_TELNYX_*`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from personaplex_voice.errors import UserError
+
+
+class TelnyxSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_TELNYX_", extra="ignore", populate_by_name=True)
+
+    # The account's webhook signing key (Portal > Keys & Credentials > Public Key), base64 Ed25519.
+    public_key: str = Field("", validation_alias=AliasChoices("TELNYX_PUBLIC_KEY", "public_key"))
+    # The API key for call control (hang-up, transfer, TeXML call updates).
+    api_key: SecretStr = Field(SecretStr(""), validation_alias=AliasChoices("TELNYX_API_KEY", "api_key"))
+    api_url: str = "https://api.telnyx.com"
+    # Webhooks signed longer ago than this (or ahead of our clock by as much) are refused: a
+    # captured webhook cannot be replayed later.
+    signature_tolerance_s: float = Field(300.0, gt=0, le=3600)
+    # What we send back on the bidirectional stream: L16 at 16 kHz (wideband, the default) or
+    # PCMU at 8 kHz. What the caller sends is the call's own codec, as the stream's start says.
+    codec: Literal["L16", "PCMU", "PCMA"] = "L16"
+    sample_rate: Literal[8000, 16000] = 16000
+    dev_skip_signature: bool = False
+
+    def check(self, validate: bool) -> None:
+        if validate and not self.dev_skip_signature and not self.public_key:
+            raise UserError(
+                "the Telnyx carrier needs TELNYX_PUBLIC_KEY (the base64 Ed25519 key of your account, "
+                "Portal > Keys & Credentials) to check webhook signatures "
+                "(for local development only: PERSONAPLEX_TELNYX_DEV_SKIP_SIGNATURE=1)"
+            )
+        if self.codec != "L16" and self.sample_rate != 8000:
+            raise UserError(f"PERSONAPLEX_TELNYX_CODEC={self.codec} is an 8 kHz codec: set SAMPLE_RATE=8000")

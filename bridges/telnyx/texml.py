@@ -1,0 +1,76 @@
+"""TeXML, Telnyx's call markup: our answers and the phone call's instructions.
+
+The answer connects the call to our stream in bidirectional RTP mode:
+`<Connect><Stream url=… bidirectionalMode="rtp" bidirectionalCodec="L16"
+bidirectionalSamplingRate="16000">` with `<Parameter>`s that come back in the stream's start.
+Instructions for a live call (a goodbye, a transfer with words, a message then back to the
+agent) are TeXML documents Telnyx fetches by URL.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping, Sequence
+
+from personaplex_phone import carrier as phone
+
+XML = "application/xml"
+
+
+def _document(root: ET.Element) -> str:
+    return '<?xml version="1.0" encoding="UTF-8"?>' + ET.tostring(root, encoding="unicode")
+
+
+def connect_stream(url: str, parameters: Mapping[str, str], codec: str, rate: int) -> str:
+    response = ET.Element("Response")
+    connect = ET.SubElement(response, "Connect")
+    stream = ET.SubElement(
+        connect,
+        "Stream",
+        {
+            "url": url,
+            "track": "inbound_track",
+            "bidirectionalMode": "rtp",
+            "bidirectionalCodec": codec,
+            "bidirectionalSamplingRate": str(rate),
+        },
+    )
+    for name, value in parameters.items():
+        ET.SubElement(stream, "Parameter", {"name": name, "value": value})
+    return _document(response)
+
+
+def say_and_hang_up(message: str) -> str:
+    return render([phone.Say(message), phone.Hangup()], whisper_url=lambda _: None, resume_url=lambda _: "")
+
+
+def say_only(message: str) -> str:
+    return render([phone.Say(message)], whisper_url=lambda _: None, resume_url=lambda _: "")
+
+
+def render(
+    steps: Sequence[phone.Step],
+    *,
+    whisper_url: Callable[[phone.Dial], str | None],
+    resume_url: Callable[[phone.Resume], str],
+) -> str:
+    response = ET.Element("Response")
+    for step in steps:
+        if isinstance(step, phone.Say):
+            ET.SubElement(response, "Say").text = step.text
+        elif isinstance(step, phone.Play):
+            ET.SubElement(response, "Play").text = step.url
+        elif isinstance(step, phone.Dial):
+            dial = ET.SubElement(response, "Dial", {"callerId": step.caller_id} if step.caller_id else {})
+            url = whisper_url(step)
+            target = ET.SubElement(dial, "Sip" if step.target.startswith(("sip:", "sips:")) else "Number")
+            target.text = step.target
+            if url:
+                target.set("url", url)
+        elif isinstance(step, phone.Hangup):
+            ET.SubElement(response, "Hangup")
+        elif isinstance(step, phone.Redirect):
+            ET.SubElement(response, "Redirect", {"method": "POST"}).text = step.url
+        elif isinstance(step, phone.Resume):
+            ET.SubElement(response, "Redirect", {"method": "POST"}).text = resume_url(step)
+    return _document(response)

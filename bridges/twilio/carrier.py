@@ -1,0 +1,170 @@
+"""Twilio as a carrier of the phone call: Media Streams, TwiML, the REST API, signatures.
+
+The wire format itself is wire.py (which imports nothing of ours); `TwilioWire` turns its
+messages into the phone call's events. Everything else a Twilio call does (tickets, audio,
+playout, actions, records) is personaplex_phone's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from personaplex_phone import carrier as phone
+from personaplex_phone.carrier import (
+    MULAW_8K,
+    CallerMedia,
+    CallFacts,
+    CallStatus,
+    CarrierPaths,
+    Digit,
+    MarkPlayed,
+    ProtocolError,
+    Reply,
+    StreamStart,
+    StreamStop,
+    Webhook,
+)
+from personaplex_phone.service import form_fields
+from starlette.requests import HTTPConnection
+
+from . import twiml, wire
+from .calls import MEDIA_STREAM_PATH, STATUS_PATH, VOICE_PATH, CallControl, TwilioControl
+from .config import TwilioSettings
+from .signatures import SIGNATURE_HEADER, SignatureChecker
+
+XML = "application/xml"
+TERMINAL_STATUSES = {"completed", "busy", "failed", "no-answer", "canceled"}
+
+
+class TwilioWire:
+    """One Media Stream's messages (wire.py's parsing, as the phone call's events)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.stream_sid = ""
+        self.messages = wire.OutboundMessages("")
+
+    def parse(self, message: Mapping[str, Any]) -> phone.StreamEvent | None:
+        try:
+            return self._parse(message)
+        except wire.ProtocolError as exc:
+            raise ProtocolError(str(exc), exc.code) from None
+
+    def _parse(self, raw: Mapping[str, Any]) -> phone.StreamEvent | None:
+        message = wire.parse_message(dict(raw), self.max_bytes)
+        event = message["event"]
+        if event == "connected":
+            return None
+        if event == "start":
+            if self.stream_sid:
+                raise ProtocolError("a second `start` on one stream")
+            start = wire.parse_start(message)
+            self.stream_sid = start.stream_sid
+            self.messages = wire.OutboundMessages(start.stream_sid)
+            return StreamStart(
+                start.stream_sid, start.call_sid, MULAW_8K, MULAW_8K, params=start.custom_parameters
+            )
+        if not self.stream_sid:
+            raise ProtocolError(f"`{event}` before `start`")
+        if message.get("streamSid") != self.stream_sid:
+            raise ProtocolError(f"`{event}` for another stream ({message.get('streamSid')!r})")
+        if event == "media":
+            media = wire.section(message, "media")
+            if not wire.is_caller_track(media):
+                return None  # only the caller's audio goes to the agent
+            return CallerMedia(wire.media_payload(media), wire.media_chunk(media))
+        if event == "mark":
+            name = wire.mark_name(wire.section(message, "mark"))
+            return MarkPlayed(name) if name is not None else None
+        if event == "dtmf":
+            return Digit(wire.dtmf_digit(wire.section(message, "dtmf")))
+        if event == "stop":
+            return StreamStop()
+        return None
+
+    def media(self, payload: bytes) -> str:
+        return self.messages.media(payload)
+
+    def mark(self, name: str) -> str:
+        return self.messages.mark(name)
+
+    def clear(self) -> str:
+        return self.messages.clear()
+
+
+class TwilioCarrier:
+    name = "twilio"
+    paths = CarrierPaths(
+        answer=VOICE_PATH, answer_methods=("POST",), status=STATUS_PATH, media=MEDIA_STREAM_PATH
+    )
+    stream_ends_on_close = False  # Twilio says `stop`; a close without it is a lost socket
+
+    def __init__(self, settings: TwilioSettings, calls: CallControl, max_message_bytes: int):
+        self.settings = settings
+        self.calls = calls
+        self.control = TwilioControl(calls)
+        self.signatures = SignatureChecker(settings)
+        self.max_message_bytes = max_message_bytes
+
+    def check(self) -> None:
+        self.settings.check()
+
+    # --- webhooks ------------------------------------------------------------------------------
+    def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
+        # Twilio posts its form; a GET webhook's parameters are in its (signed) URL.
+        return form_fields(body) if method == "POST" else {}
+
+    def verify(self, webhook: Webhook) -> bool:
+        return self.signatures.valid(
+            webhook.url, webhook.fields, webhook.headers.get(SIGNATURE_HEADER.lower())
+        )
+
+    def verify_upgrade(self, conn: HTTPConnection) -> bool:
+        return self.signatures.check_upgrade(conn)
+
+    def facts(self, webhook: Webhook) -> CallFacts:
+        form = webhook.fields
+        return CallFacts(
+            call_id=form.get("CallSid", ""),
+            from_=form.get("From", ""),
+            to=form.get("To", ""),
+            direction=form.get("Direction", "inbound"),
+            account=form.get("AccountSid", ""),
+        )
+
+    def status(self, webhook: Webhook) -> CallStatus | None:
+        form = webhook.fields
+        status = form.get("CallStatus", "unknown")
+        facts = CallFacts(
+            form.get("CallSid", ""), form.get("From", ""), form.get("To", ""), form.get("Direction", "")
+        )
+        return CallStatus(
+            facts.call_id, status, status in TERMINAL_STATUSES, facts, form.get("CallDuration", "")
+        )
+
+    # --- markup --------------------------------------------------------------------------------
+    def stream_url(self, ws_base: str, ticket: str) -> str:
+        return f"{ws_base}/{ticket}"
+
+    def answer_stream(self, stream_url: str, params: Mapping[str, str], facts: CallFacts) -> Reply:
+        return Reply(twiml.connect_stream(stream_url, params), XML)
+
+    def answer_refusal(self, message: str, busy: bool) -> Reply:
+        return Reply(twiml.say_and_hang_up(message), XML)
+
+    def engine_lost(self, apology: str) -> list[phone.Step]:
+        fallback = self.settings.engine_lost_twiml
+        if fallback.startswith(("http://", "https://")):
+            return [phone.Redirect(fallback)]
+        if fallback:
+            return [phone.Markup(fallback)]
+        return [phone.Say(apology), phone.Hangup()]
+
+    def new_wire(self) -> TwilioWire:
+        return TwilioWire(self.max_message_bytes)
+
+    def routes(self, service: Any) -> Any:
+        from .outbound import twilio_routes
+
+        return twilio_routes(service, self)

@@ -1,0 +1,189 @@
+"""Every carrier at its edge: the secrets a test server and its simulated carriers share, and a
+recording fake of the carriers' REST APIs (the one thing faked; carriers are unreachable here).
+
+    apis = FakeCarrierApis().start()
+    env = carrier_env(apis.url, personas_file)          # for `serve --carriers …`
+    sim = PhoneSimulator(carrier_side("plivo"), server.url, public_url=PUBLIC_URL)
+    apis.requests_for("plivo")                          # what the server asked Plivo to do
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from personaplex_phone.simulator import load_side
+from personaplex_telnyx.sim import keypair
+
+CARRIERS = ("twilio", "telnyx", "plivo", "vonage", "exotel")
+PUBLIC_URL = "https://voice.example.test"
+API_TOKEN = "phone-test-api-token"
+WEBHOOK_SECRET = "phone-test-webhook-secret"
+
+TWILIO_TOKEN = "phone-test-twilio-token"
+TWILIO_ACCOUNT = "AC" + "0" * 32
+# Fixed, so that simulators in other processes (bench/phone_load.py) sign with the same key.
+_TELNYX = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"personaplex-voice phone tests").digest())
+TELNYX_PRIVATE = base64.b64encode(_TELNYX.private_bytes_raw()).decode()
+TELNYX_PUBLIC = base64.b64encode(_TELNYX.public_key().public_bytes_raw()).decode()
+TELNYX_API_KEY = "KEY-phone-test"
+PLIVO_ID, PLIVO_TOKEN = "MAPHONETEST000000000", "phone-test-plivo-token"
+VONAGE_SECRET, VONAGE_APP = "phone-test-vonage-signature-secret", "aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"
+VONAGE_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+VONAGE_PEM = VONAGE_KEY.private_bytes(
+    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+).decode()
+EXOTEL_KEY, EXOTEL_TOKEN, EXOTEL_SID = "phone-test-exotel-key", "phone-test-exotel-token", "acme1"
+
+
+def carrier_side(name: str, **options: Any) -> Any:
+    """The carrier's side, signing with the test server's secrets."""
+    secrets_ = {
+        "twilio": {"auth_token": TWILIO_TOKEN},
+        "telnyx": {"private_key": TELNYX_PRIVATE},
+        "plivo": {"auth_id": PLIVO_ID, "auth_token": PLIVO_TOKEN},
+        "vonage": {"signature_secret": VONAGE_SECRET},
+        "exotel": {"api_key": EXOTEL_KEY, "api_token": EXOTEL_TOKEN},
+    }[name]
+    return load_side(name, **secrets_, **options)
+
+
+def wrong_side(name: str) -> Any:
+    """The carrier's side with secrets that are not the server's (a forger)."""
+    other = {
+        "twilio": {"auth_token": "not-the-token"},
+        "telnyx": {"private_key": keypair()[0]},
+        "plivo": {"auth_id": PLIVO_ID, "auth_token": "not-the-token"},
+        "vonage": {"signature_secret": "not-the-server's-signature-secret-but-long-enough"},
+        "exotel": {"api_key": EXOTEL_KEY, "api_token": "not-the-token"},
+    }[name]
+    return load_side(name, **other)
+
+
+def carrier_env(api_url: str, personas_file: str) -> dict[str, str]:
+    """The environment of a server answering every carrier, their REST APIs at `api_url`."""
+    return {
+        "PUBLIC_URL": PUBLIC_URL,
+        "PERSONAPLEX_PHONE_PERSONAS_FILE": personas_file,
+        "PERSONAPLEX_PHONE_API_TOKEN": API_TOKEN,
+        "PERSONAPLEX_PHONE_WEBHOOK_SECRET": WEBHOOK_SECRET,
+        "PERSONAPLEX_PHONE_WEBHOOK_BACKOFF_S": "0.2",
+        "TWILIO_AUTH_TOKEN": TWILIO_TOKEN,
+        "TWILIO_ACCOUNT_SID": TWILIO_ACCOUNT,
+        "PERSONAPLEX_TWILIO_API_URL": api_url + "/twilio",
+        "TELNYX_PUBLIC_KEY": TELNYX_PUBLIC,
+        "TELNYX_API_KEY": TELNYX_API_KEY,
+        "PERSONAPLEX_TELNYX_API_URL": api_url + "/telnyx",
+        "PLIVO_AUTH_ID": PLIVO_ID,
+        "PLIVO_AUTH_TOKEN": PLIVO_TOKEN,
+        "PERSONAPLEX_PLIVO_API_URL": api_url + "/plivo",
+        "VONAGE_SIGNATURE_SECRET": VONAGE_SECRET,
+        "VONAGE_APPLICATION_ID": VONAGE_APP,
+        "VONAGE_PRIVATE_KEY": VONAGE_PEM,
+        "PERSONAPLEX_VONAGE_API_URL": api_url + "/vonage",
+        "EXOTEL_API_KEY": EXOTEL_KEY,
+        "EXOTEL_API_TOKEN": EXOTEL_TOKEN,
+        "EXOTEL_ACCOUNT_SID": EXOTEL_SID,
+        "PERSONAPLEX_EXOTEL_API_URL": api_url + "/exotel",
+    }
+
+
+@dataclass
+class ApiRequest:
+    method: str
+    path: str  # after the carrier's prefix
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else None
+
+    def form(self) -> dict[str, str]:
+        from urllib.parse import parse_qsl
+
+        return dict(parse_qsl(self.body.decode()))
+
+
+class FakeCarrierApis:
+    """The carriers' REST APIs on 127.0.0.1 (one server; `/<carrier>` prefixes the real paths):
+    every request is recorded and answered as the carrier would answer a good one (a created
+    Twilio call gets its sid)."""
+
+    def __init__(self) -> None:
+        fake = self
+        self.received: list[tuple[str, ApiRequest]] = []
+        self.lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                carrier, _, rest = self.path.lstrip("/").partition("/")
+                request = ApiRequest(
+                    self.command, "/" + rest, {k.lower(): v for k, v in self.headers.items()}, body
+                )
+                with fake.lock:
+                    fake.received.append((carrier, request))
+                status, answer = fake.answer(carrier, request)
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _any
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def answer(self, carrier: str, request: ApiRequest) -> tuple[int, Any]:
+        if carrier == "twilio" and request.path.endswith("/Calls.json"):
+            return 201, {"sid": "CA" + "f" * 32, "account_sid": TWILIO_ACCOUNT, "status": "queued"}
+        if carrier == "twilio":
+            sid = request.path.rsplit("/", 1)[-1].removesuffix(".json")
+            return 200, {"sid": sid, "account_sid": TWILIO_ACCOUNT, "status": "in-progress"}
+        if carrier == "plivo" and request.method == "DELETE":
+            return 204, {}
+        return 200, {"result": "ok"}
+
+    def start(self) -> FakeCarrierApis:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def requests_for(self, carrier: str) -> list[ApiRequest]:
+        with self.lock:
+            return [r for c, r in self.received if c == carrier]
+
+    def wait_for(self, carrier: str, count: int = 1, timeout: float = 10.0) -> list[ApiRequest]:
+        deadline = time.monotonic() + timeout
+        while len(self.requests_for(carrier)) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{carrier}: {len(self.requests_for(carrier))} REST request(s), not {count}"
+                )
+            time.sleep(0.02)
+        return self.requests_for(carrier)
+
+
+def basic_user(headers: dict[str, str]) -> str:
+    value = headers.get("authorization", "")
+    return base64.b64decode(value[6:]).decode().partition(":")[0] if value.startswith("Basic ") else ""
