@@ -77,6 +77,9 @@ class AsteriskCarrier:
     name = "asterisk"
     paths = CarrierPaths(answer=CALLS_PATH, answer_methods=("POST",), status=None, media=MEDIA_PATH)
     stream_ends_on_close = True  # Asterisk ends a call's leg by closing the socket
+    # A caller who starts talking over the agent clears it: AudioSocket by no longer sending
+    # (Asterisk holds nothing of ours), chan_websocket with FLUSH_MEDIA.
+    barge_in = True
 
     def __init__(self, service: Any, settings: AsteriskSettings, listen: tuple[str, int] | None = None):
         self.service = service

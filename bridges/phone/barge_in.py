@@ -13,6 +13,10 @@ starts while the agent can be heard barges in; after that the next barge-in wait
 caller has been quiet `rearm_quiet_ms` (a pause between sentences, not between syllables), so
 one sentence spoken over the agent clears once. Durations are counted in audio, not in wall-clock
 time: the same audio gives the same decisions, however late it arrives.
+
+It runs where the carrier asks for it (`barge_in = True`: Asterisk) or where
+PERSONAPLEX_PHONE_BARGE_IN says so for every carrier. Elsewhere the carrier's buffer of ours is
+simply kept short (playback_buffer.py): the agent stops for the caller within ~100 ms anyway.
 """
 
 from __future__ import annotations

@@ -389,7 +389,9 @@ class Carrier(Protocol):
 
     def new_wire(self) -> StreamWire: ...
 
-    # Optional: `flow_values(webhook) -> Mapping[str, str]`, where the answer webhook carries the
+    # Optional: `barge_in = True` to drop the agent's unheard audio when the caller starts
+    # talking over it (barge_in.py; PERSONAPLEX_PHONE_BARGE_IN overrides it for every carrier);
+    # `flow_values(webhook) -> Mapping[str, str]`, where the answer webhook carries the
     # flow's values (persona, template variables) when not in its query string (Asterisk's
     # POST /asterisk/calls has them in its body); `routes(service) -> APIRouter`, the carrier's
     # own routes (they take precedence over the generic ones, and an APIRouter's lifespan runs

@@ -14,8 +14,9 @@ that resumes), clear the carrier's buffer of ours, give the call its last instru
 when it is still up (hang up, a goodbye, an apology when the engine was lost), close the socket,
 finish the call.
 
-Barge-in: each caller message also goes to the barge-in detector (barge_in.py); a talk spurt
-that starts while the agent can still be heard makes the playout drop what it holds.
+Barge-in (where the carrier or PERSONAPLEX_PHONE_BARGE_IN turns it on): each caller message
+also goes to the barge-in detector (barge_in.py); a talk spurt that starts while the agent can
+still be heard makes the playout drop what it holds.
 
 Anything malformed closes this call's socket and frees its slot; nothing here can block another
 call (every wait is bounded, every queue is bounded).
@@ -174,7 +175,10 @@ class PhoneStream:
             on_frame=self._on_agent_frame,
             on_sent=self._on_agent_sent,
         )
-        self.barge = BargeIn(settings.barge_in_db) if settings.barge_in else None
+        barge_in = settings.barge_in
+        if barge_in is None:
+            barge_in = bool(getattr(carrier, "barge_in", False))
+        self.barge = BargeIn(settings.barge_in_db) if barge_in else None
         self.dtmf: list[str] = []
         self.started_at = time.monotonic()
         self.last_agent_pcm: np.ndarray | None = None
