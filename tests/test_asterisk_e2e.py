@@ -432,3 +432,43 @@ async def test_media_xoff_pauses_our_sending_and_xon_resumes_it(rig, sim) -> Non
     assert record["end_reason"] == "stop"
     assert record["metrics"]["flow_pauses"] == 1 and record["metrics"]["flow_paused_ms"] >= 1000
     await wait_idle(rig)
+
+
+# --- the simulator as a user runs it ---------------------------------------------------------------
+
+
+async def test_a_simulated_call_from_the_command_line(rig, tmp_path) -> None:
+    """`python -m personaplex_asterisk.simulate` (what `phone simulate --carrier asterisk` runs):
+    an AudioSocket call saying a WAV, a key pressed, the dialplan's next step printed."""
+    import subprocess
+    import sys
+
+    import soundfile as sf
+
+    wav, out = tmp_path / "hello.wav", tmp_path / "heard.wav"
+    sf.write(wav, noise(1.0, 24000), 24000)
+    host, port = rig.audiosocket
+    command = [
+        sys.executable, "-m", "personaplex_asterisk.simulate", "--url", rig.server.url, "--wav", str(wav),
+        "--mode", "audiosocket", "--audiosocket", f"{host}:{port}", "--rate", "16000",
+        "--dtmf", "0@0.6", "--api-key", API_KEY, "--out", str(out),
+    ]  # fmt: skip
+    done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["mode"] == "audiosocket" and summary["kind"] == "0x12" and summary["dtmf"] == "0"
+    assert summary["ended_by"] == "server" and summary["next_step"]["action"] == "transfer"
+    heard, rate = sf.read(out)
+    assert rate == 16000 and len(heard) > 0.3 * rate
+    await wait_idle(rig)
+
+
+async def test_the_simulator_websocket_mode_with_json_control(rig) -> None:
+    from personaplex_asterisk.simulate import simulate_call
+
+    said = noise(1.0, 24000)
+    summary, heard, rate = await simulate_call(rig.server.url, API_KEY, said, control=media_ws.JSON)
+    assert summary["subprotocol"] == "media" and summary["marks_processed"] >= 5
+    assert rate == 16000 and summary["ended_by"] == "caller" and summary["next_step"]["action"] == "hangup"
+    assert echo_similarity(resample_poly(said, 2, 3), heard, 16000) >= 0.8  # the WAV came back
+    await wait_idle(rig)

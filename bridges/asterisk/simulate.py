@@ -474,3 +474,137 @@ class AsteriskSimulator:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+
+# --- one whole call, as `phone simulate` runs it ------------------------------------------------------
+
+
+async def simulate_call(
+    url: str,
+    api_key: str,
+    pcm_24k: np.ndarray,
+    *,
+    mode: str = "websocket",
+    audiosocket: tuple[str, int] | None = None,
+    rate: int = 16000,
+    numbering: str = "asterisk",
+    control: str = media_ws.PLAIN,
+    digits: list[tuple[float, str]] | None = None,
+    persona: str | None = None,
+    to: str = "100",
+    from_: str = "+15550100002",
+) -> tuple[dict[str, Any], np.ndarray, int]:
+    """A call from an Asterisk to the server at `url`: the dialplan's request, the media leg
+    (`mode` audiosocket or websocket) saying `pcm_24k` at real time with DTMF keys at their times
+    ((seconds into it, key)), then the dialplan's next step. Returns (summary, heard, its rate)."""
+    from personaplex_voice.audio.resample import resample
+
+    sim = AsteriskSimulator(url, api_key, audiosocket)
+    started = time.monotonic()
+    try:
+        status, answer = await sim.ask(persona=persona, to=to, from_=from_)
+        if status != 200 or not answer.get("uuid"):
+            raise RuntimeError(f"no call ({status}): {answer}")
+        if mode == "audiosocket":
+            opened: Any = sim.audiosocket_call(answer["uuid"], rate=rate, numbering=numbering)
+        else:
+            fmt = {8000: "slin", 16000: "slin16", 24000: "slin24"}.get(rate, "slin16")
+            opened = sim.websocket_call(answer["uuid"], fmt, control)
+        async with opened as call:
+            line = resample(np.asarray(pcm_24k, np.float32), 24000, call.rate)
+            waited = await call.answered(timeout=30)
+            answered_s = time.monotonic() - started
+            cursor = 0
+            for at, key in sorted(digits or []):
+                upto = min(len(line), round(at * call.rate))
+                if upto > cursor:
+                    await call.play(line[cursor:upto])
+                    cursor = upto
+                await call.dtmf(key)
+            if cursor < len(line):
+                await call.play(line[cursor:])
+            await call.play(np.zeros(call.rate // 2, np.float32))  # the agent's last words
+            ended_by_server = call.closed.is_set()
+        await asyncio.sleep(0.2)  # the server closes its side of the call
+        _, step = await sim.next_step(answer["uuid"])
+    finally:
+        await sim.close()
+    heard = call.heard_audio()
+    summary: dict[str, Any] = {
+        "carrier": "asterisk",
+        "mode": mode,
+        "call_id": answer["call_id"],
+        "uuid": answer["uuid"],
+        "persona": answer.get("persona", ""),
+        "audio": f"L16 {call.rate / 1000:g} kHz" if call.codec == "l16" else call.codec,
+        "answered_after_s": round(answered_s, 3),
+        "silence_before_agent_s": round(waited / call.rate, 3),
+        "said_s": round(len(line) / call.rate, 3),
+        "heard_s": round(len(heard) / call.rate, 3),
+        "messages_heard": call.received_messages,
+        "dtmf": "".join(key for _, key in sorted(digits or [])),
+        "ended_by": "server" if ended_by_server else "caller",
+        "next_step": step,
+    }
+    if isinstance(call, MediaWebSocketCall):
+        summary.update(
+            control=control,
+            subprotocol=call.ws.protocol if call.ws is not None else None,
+            marks_processed=len(call.marks_processed),
+            flushes=call.flushes,
+        )
+    else:
+        summary.update(kind=f"0x{call.kind:02x}")
+    return summary, heard, call.rate
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m personaplex_asterisk.simulate --url … --wav …`: one simulated Asterisk call."""
+    import argparse
+    import os
+    from pathlib import Path
+
+    from personaplex_voice.audio.io import read_audio, write_wav
+
+    from .config import parse_listen
+
+    parser = argparse.ArgumentParser(description="Call the server as an Asterisk would (prints JSON).")
+    parser.add_argument(
+        "--url", required=True, help="where the server is reached, e.g. http://127.0.0.1:8998"
+    )
+    parser.add_argument("--wav", required=True, type=Path, help="what the caller says")
+    parser.add_argument("--mode", choices=("audiosocket", "websocket"), default="websocket")
+    parser.add_argument("--audiosocket", help="the server's AudioSocket listener, HOST:PORT")
+    parser.add_argument("--rate", type=int, default=16000, choices=(8000, 16000, 24000))
+    parser.add_argument("--numbering", choices=("asterisk", "first"), default="asterisk")
+    parser.add_argument("--control", choices=(media_ws.PLAIN, media_ws.JSON), default=media_ws.PLAIN)
+    parser.add_argument("--dtmf", action="append", default=[], help="KEY@SECONDS into the WAV")
+    parser.add_argument("--persona")
+    parser.add_argument("--api-key", default=os.environ.get("PERSONAPLEX_PHONE_API_TOKEN", ""))
+    parser.add_argument("--out", type=Path, help="save what the caller heard (WAV)")
+    args = parser.parse_args(argv)
+    if args.mode == "audiosocket" and not args.audiosocket:
+        parser.error("--mode audiosocket needs --audiosocket HOST:PORT")
+    digits = [(float(at or 0), key) for key, _, at in (d.partition("@") for d in args.dtmf)]
+    summary, heard, rate = asyncio.run(
+        simulate_call(
+            args.url,
+            args.api_key,
+            read_audio(args.wav),
+            mode=args.mode,
+            audiosocket=parse_listen(args.audiosocket) if args.audiosocket else None,
+            rate=args.rate,
+            numbering=args.numbering,
+            control=args.control,
+            digits=digits,
+            persona=args.persona,
+        )
+    )
+    if args.out is not None:
+        write_wav(args.out, heard, rate, subtype="PCM_16")
+        summary["heard_wav"] = str(args.out)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
