@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import secrets
 import time
 import uuid
 from urllib.parse import parse_qsl
@@ -43,7 +44,9 @@ class AsteriskSide:
 
     @staticmethod
     def new_call_id() -> str:
-        return f"{time.time():.0f}.{next(_CALLS)}"  # like Asterisk's ${UNIQUEID}
+        return (
+            f"{time.time():.0f}.{next(_CALLS)}{secrets.randbelow(10**6):06d}"  # like Asterisk's ${UNIQUEID}
+        )
 
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}

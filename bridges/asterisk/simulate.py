@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import secrets
 import time
 import uuid as uuidlib
 from collections import deque
@@ -143,6 +144,8 @@ class AudioSocketCall(SimCall):
     writer: asyncio.StreamWriter | None = None
     kind: int = asock.KIND_SLIN
     received_kinds: set[int] = field(default_factory=set)
+    late: int = 0  # messages of ours that came after the last one had finished playing (a gap heard)
+    late_after: float = 0.0  # count only those after this monotonic time (a call's start is priming)
     _play_end: float = 0.0
 
     async def _write(self, data: bytes) -> None:
@@ -190,6 +193,8 @@ class AudioSocketCall(SimCall):
                     self.received_messages += 1
                     self.received_bytes += len(payload)
                     # Asterisk writes each message to the channel as it comes: played back to back.
+                    if self._play_end and now > self._play_end + 1e-3 and now > self.late_after:
+                        self.late += 1
                     at = max(now, self._play_end)
                     self._play_end = at + len(payload) / 2 / self.rate
                     self._heard(at, payload)
@@ -216,6 +221,8 @@ class MediaWebSocketCall(SimCall):
     marks_processed: list[str] = field(default_factory=list)
     flushes: int = 0
     media_after_xoff: int = 0  # binary messages that came while we said XOFF
+    late: int = 0  # ticks that found the queue empty once our audio had begun (a gap heard)
+    late_after: float = 0.0  # count only those after this monotonic time (a call's start is priming)
     xoff_sent: bool = False
     close_code: int | None = None
     _leftover: bytes = b""
@@ -318,6 +325,8 @@ class MediaWebSocketCall(SimCall):
                 self.queued_frames -= 1
                 # Played in its 20 ms slot of the channel's clock, back to back with the last.
                 self._heard(start + tick * CHUNK_S, frame)  # type: ignore[arg-type]
+            elif self.received_messages and time.monotonic() > self.late_after:
+                self.late += 1
 
     async def receive_loop(self) -> None:
         assert self.ws is not None
@@ -388,7 +397,9 @@ class AsteriskSimulator:
         api_key: str | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """The dialplan's `POST /asterisk/calls`; (status, the JSON answer)."""
-        call_id = call_id or f"{time.time():.0f}.{next(_CALLS)}"  # like Asterisk's ${UNIQUEID}
+        call_id = (
+            call_id or f"{time.time():.0f}.{next(_CALLS)}{secrets.randbelow(10**6):06d}"
+        )  # like Asterisk's ${UNIQUEID}
         body: dict[str, Any] = {"from": from_, "to": to, "call_id": call_id}
         if persona:
             body["persona"] = persona

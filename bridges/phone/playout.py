@@ -250,6 +250,7 @@ class Playout:
         if message is not None:
             await self._send(message)
         self.cleared()
+        self.clock.started = False  # the next words start with the cushion: not an underrun
 
     # --- numbers -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
