@@ -498,3 +498,12 @@ async def test_flow_control_pauses_and_resumes_sending() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def test_media_credentials_when_configured() -> None:
+    open_carrier = AsteriskCarrier(FakeService(), AsteriskSettings())
+    assert open_carrier.media_credentials_ok({})  # none configured: the UUID alone
+    carrier = AsteriskCarrier(FakeService(), AsteriskSettings(media_username="ast", media_password="pw"))
+    assert carrier.media_credentials_ok({"authorization": "Basic YXN0OnB3"})
+    assert not carrier.media_credentials_ok({"authorization": "Basic YXN0Ond4"})
+    assert not carrier.media_credentials_ok({})

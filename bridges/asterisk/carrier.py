@@ -12,6 +12,7 @@ phone call's.
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
@@ -226,8 +227,20 @@ class AsteriskCarrier:
         base = self.service.settings.public_url
         await self._run(link, entry, base, AudioSocketWire(entry, self.settings.rate_0x11))
 
+    def media_credentials_ok(self, headers: Mapping[str, str]) -> bool:
+        """websocket_client.conf's username/password, when configured here (HTTP Basic)."""
+        user, password = self.settings.media_username, self.settings.media_password.get_secret_value()
+        if not user and not password:
+            return True
+        expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        return hmac.compare_digest(headers.get("authorization", ""), expected)
+
     async def media_socket(self, ws: WebSocket) -> None:
         """`WS /asterisk/media?ticket=UUID` (or `/asterisk/media/UUID`): a chan_websocket leg."""
+        if not self.media_credentials_ok(ws.headers):
+            log.warning("asterisk: refused a media WebSocket with wrong or missing credentials")
+            await ws.close(code=CLOSE_POLICY)
+            return
         key = ws.path_params.get("ticket") or ws.query_params.get("ticket", "")
         entry = self.tickets.take(key)
         if entry is None:

@@ -23,6 +23,10 @@ class AsteriskSettings(BaseSettings):
     audiosocket_0x11: Literal["auto", "slin12", "slin16"] = "auto"
     # A new AudioSocket connection must send its UUID this soon.
     audiosocket_uuid_timeout_s: float = Field(5.0, gt=0, le=60)
+    # websocket_client.conf's `username`/`password` for the media connection (optional): when
+    # set, a chan_websocket upgrade must carry them (HTTP Basic) as well as its UUID.
+    media_username: str = ""
+    media_password: SecretStr = SecretStr("")
     # ARI (optional): actions then act on the caller's channel through ARI (it must be in your
     # Stasis application): PERSONAPLEX_* channel variables set, the channel sent on in the
     # dialplan at `ari_context`, extension = the action; a hang-up deletes the channel.
