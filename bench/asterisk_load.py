@@ -274,7 +274,7 @@ def main() -> None:
                     json.dumps({"mode": name, "cpu_ms_per_call_second": round(cost[name][-1], 2), **row}),
                     flush=True,
                 )
-    means = {n: round(float(np.mean(v)), 2) for n, v in cost.items()}
+    means = {n: round(float(np.mean(v)), 2) for n, v in cost.items() if v}  # --rounds 0: none
     base = means.get("twilio")
     result.update(
         max_calls=max_calls,
