@@ -43,6 +43,10 @@ personas:
         do: transfer
         to: "+15551230099"
         announce: "Connecting you to a colleague."
+      - on_dtmf: "5"
+        do: play
+        say: "One moment please."
+        then: resume
 """
 
 
@@ -363,6 +367,38 @@ async def test_a_dtmf_key_transfers_through_the_dialplan(rig, sim, mode) -> None
     record = await record_of(rig, answer["call_id"])
     (action,) = record["actions"]
     assert action["ok"] and action["trigger"] == "dtmf 0" and action["action"] == "transfer"
+    await wait_idle(rig)
+
+
+async def test_play_then_resume_comes_back_to_the_same_conversation(rig, sim) -> None:
+    """A `play … then: resume` key: our leg ends, the dialplan says the words and connects back
+    with the new UUID of its next step, and the same session goes on (one call, one record)."""
+    answer = await new_call(sim)
+    async with sim.audiosocket_call(answer["uuid"], rate=16000) as first:
+        await first.answered()
+        await first.dtmf("5")
+        talker = asyncio.create_task(first.play(np.zeros(16000 * 5, np.float32)))
+        await asyncio.wait_for(first.closed.wait(), 10)
+        talker.cancel()
+    assert first.hung_up_by_server
+    status, step = await sim.next_step(answer["uuid"])
+    assert status == 200 and step["action"] == "agent" and step["say"] == "One moment please."
+    assert step["uuid"] and step["uuid"] != answer["uuid"]
+    assert (await state(rig))["active_sessions"] == 1  # parked: the conversation waits
+    signal = noise(1.0, 16000)
+    async with sim.websocket_call(step["uuid"]) as second:  # back in either mode
+        primed = await second.answered()
+        await second.play(signal)
+        await second.play(np.zeros(8000, np.float32))
+    assert echo_similarity(signal, second.heard_audio()[primed:], 16000) >= 0.8
+    record = await record_of(rig, answer["call_id"])
+    statuses = [s["status"] for s in record["statuses"]]
+    assert "stream-resumed" in statuses and record["end_reason"] == "stop"
+    (action,) = record["actions"]
+    assert action["ok"] and action["action"] == "play"
+    async with sim.audiosocket_call(step["uuid"]) as again:  # the UUID was for one leg
+        await asyncio.wait_for(again.closed.wait(), 10)
+    assert again.hung_up_by_server and again.received_messages == 0
     await wait_idle(rig)
 
 
