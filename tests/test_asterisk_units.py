@@ -507,3 +507,22 @@ def test_media_credentials_when_configured() -> None:
     assert carrier.media_credentials_ok({"authorization": "Basic YXN0OnB3"})
     assert not carrier.media_credentials_ok({"authorization": "Basic YXN0Ond4"})
     assert not carrier.media_credentials_ok({})
+
+
+def test_the_wire_formats_import_nothing_of_ours_and_no_carrier_imports_another() -> None:
+    import ast
+    from pathlib import Path
+
+    import personaplex_asterisk
+
+    folder = Path(personaplex_asterisk.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        ours = {n for n in names if n.startswith("personaplex")}
+        others = {n for n in ours if n.split(".")[0] not in ("personaplex_phone", "personaplex_voice")}
+        assert not others, f"{path.name} imports {others}"
+        if path.name in ("audiosocket.py", "media_ws.py"):
+            relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+            assert not ours and not relative, f"{path.name} imports {ours or 'the package'}"
