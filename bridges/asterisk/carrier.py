@@ -93,6 +93,8 @@ class AsteriskCarrier:
             if listen is not None
             else None
         )
+        if self.listener is not None:
+            self.listener.bind()
 
     # --- checks ---------------------------------------------------------------------------------
     def _keys(self) -> list[str]:

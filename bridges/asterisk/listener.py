@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -88,6 +89,7 @@ class AudioSocketListener:
         self.uuid_timeout_s = uuid_timeout_s
         self.on_connection = on_connection
         self.server: asyncio.Server | None = None
+        self._socket: socket.socket | None = None
         self._connections: set[asyncio.Task[Any]] = set()
         self.refused = 0
 
@@ -99,8 +101,22 @@ class AudioSocketListener:
         name = self.server.sockets[0].getsockname()
         return name[0], name[1]
 
+    def bind(self) -> None:
+        """Take the port now, while the server starts (a port in use is a one-line error then,
+        not a failed startup later); `start` serves it."""
+        from personaplex_voice.errors import UserError
+
+        try:
+            family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
+            self._socket = socket.create_server((self.host, self.port), family=family, backlog=256)
+        except OSError as exc:
+            raise UserError(f"--audiosocket {self.host}:{self.port}: {exc.strerror or exc}") from None
+        self._socket.setblocking(False)
+
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._accept, self.host, self.port)
+        if self._socket is None:
+            self.bind()
+        self.server = await asyncio.start_server(self._accept, sock=self._socket)
         log.info("asterisk: AudioSocket listening on %s:%d", *self.address)
 
     async def stop(self) -> None:
@@ -114,6 +130,8 @@ class AudioSocketListener:
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 2.0)
+        elif self._socket is not None:
+            self._socket.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
