@@ -139,7 +139,15 @@ def serve(
     carriers: Annotated[
         str | None,
         typer.Option(
-            help="Phone carriers to answer, e.g. twilio,telnyx,plivo,vonage,exotel (env PERSONAPLEX_CARRIERS)"
+            help="Phone carriers to answer, e.g. twilio,telnyx,plivo,vonage,exotel,asterisk "
+            "(env PERSONAPLEX_CARRIERS)"
+        ),
+    ] = None,
+    audiosocket: Annotated[
+        str | None,
+        typer.Option(
+            help="Listen for Asterisk AudioSocket calls on HOST:PORT (a private address: AudioSocket "
+            "has no authentication); mounts the asterisk carrier (env PERSONAPLEX_AUDIOSOCKET)"
         ),
     ] = None,
     records_dir: Annotated[

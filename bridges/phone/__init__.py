@@ -45,6 +45,7 @@ CARRIERS: dict[str, str] = {
     "plivo": "personaplex_plivo",
     "vonage": "personaplex_vonage",
     "exotel": "personaplex_exotel",
+    "asterisk": "personaplex_asterisk",
 }
 
 
@@ -89,12 +90,13 @@ def add_carrier(app: FastAPI, carrier: Carrier) -> None:
         raise UserError(f"carrier {carrier.name} is mounted twice")
     carrier.check()
     service.carriers[carrier.name] = carrier
-    app.include_router(carrier_router(service, carrier))
+    # The carrier's own routes first: where one has the path of a generic one, the carrier's wins.
     extra = getattr(carrier, "routes", None)
     if callable(extra):
         router = extra(service)
         if router is not None:
             app.include_router(router)
+    app.include_router(carrier_router(service, carrier))
 
 
 def mount(

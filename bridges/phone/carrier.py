@@ -122,13 +122,27 @@ class StreamStop:
     """The carrier ends the stream (the caller hung up, or the call moved on)."""
 
 
-StreamEvent = StreamStart | CallerMedia | MarkPlayed | Digit | StreamStop
-Outgoing = str | bytes  # a WebSocket text or binary message
+@dataclass(frozen=True)
+class FlowControl:
+    """The carrier asks us to stop sending audio (`paused`) or to go on (Asterisk's
+    `MEDIA_XOFF`/`MEDIA_XON`). The call stays up either way."""
+
+    paused: bool
+
+
+StreamEvent = StreamStart | CallerMedia | MarkPlayed | Digit | StreamStop | FlowControl
+Outgoing = str | bytes  # a WebSocket text or binary message (or a link's own framing of bytes)
 
 
 class StreamWire(Protocol):
     """One stream's messages, both ways. Stateful: it knows its stream once started, and raises
-    ProtocolError for anything the carrier's protocol does not allow (bounded work per message)."""
+    ProtocolError for anything the carrier's protocol does not allow (bounded work per message).
+
+    `mark` and `clear` return None where the carrier has no such message (AudioSocket: Asterisk
+    holds nothing of ours, so there is nothing to clear and no mark to echo). A wire whose carrier
+    plays our audio the moment it arrives, with no buffer of its own, says so with a true
+    `plays_on_arrival` attribute: the playout then sends each 20 ms message at its time (one
+    message ahead at most), and a barge-in stops it by no longer sending what it still holds."""
 
     def parse(self, message: Mapping[str, Any]) -> StreamEvent | None:
         """An ASGI `websocket.receive` message -> the event it carries, or None (acks, keepalives,
@@ -139,11 +153,11 @@ class StreamWire(Protocol):
         """Our 20 ms of audio, already in the stream's outbound format."""
         ...
 
-    def mark(self, name: str) -> Outgoing:
+    def mark(self, name: str) -> Outgoing | None:
         """Ask to be told (MarkPlayed) once everything sent so far has played."""
         ...
 
-    def clear(self) -> Outgoing:
+    def clear(self) -> Outgoing | None:
         """Drop whatever the carrier still holds of ours (the caller barged in, or the end)."""
         ...
 
@@ -374,3 +388,11 @@ class Carrier(Protocol):
         ...
 
     def new_wire(self) -> StreamWire: ...
+
+    # Optional: `barge_in = True` to drop the agent's unheard audio when the caller starts
+    # talking over it (barge_in.py; PERSONAPLEX_PHONE_BARGE_IN overrides it for every carrier);
+    # `flow_values(webhook) -> Mapping[str, str]`, where the answer webhook carries the
+    # flow's values (persona, template variables) when not in its query string (Asterisk's
+    # POST /asterisk/calls has them in its body); `routes(service) -> APIRouter`, the carrier's
+    # own routes (they take precedence over the generic ones, and an APIRouter's lifespan runs
+    # with the server's: a listener of its own, like AudioSocket's).

@@ -51,6 +51,13 @@ class PhoneSettings(BaseSettings):
     # little silence ahead of the caller's audio, phased against the engine's frame clock.
     inbound_slack_ms: float = Field(30.0, ge=0.0, le=70.0)
     max_message_bytes: int = Field(64 * 1024, ge=1024)  # a 20 ms media message is 250-900 bytes
+    # Barge-in: when the caller starts talking while the agent's audio is still to be heard,
+    # drop that audio (the carrier's clear). Unset: as the carrier says (its `barge_in`
+    # attribute; on for Asterisk, off elsewhere, where the carrier's buffer is kept short
+    # instead); true or false: for every carrier. `barge_in_db`: how loud (RMS dBFS) a caller
+    # message must be to count as talking (barge_in.py).
+    barge_in: bool | None = None
+    barge_in_db: float = Field(-35.0, ge=-70.0, le=-6.0)
     # DTMF digits that hang the call up (e.g. "#"); every digit is logged as a session event.
     hangup_digits: str = ""
     busy_message: str = "Sorry, all our agents are busy right now. Please call again later."

@@ -10,6 +10,12 @@ stays bounded. The messages themselves are the carrier's (its StreamWire formats
 Hooks let the call see what goes out without owning any of it: `on_frame` gets every session
 frame as it is read (its text piece, its pcm), `on_sent` every payload with the time the carrier
 will start playing it (the recording's agent channel is placed there).
+
+Barge-in (`barge_in`, asked for by the stream when the caller starts talking over the agent):
+the pacer, the only writer, drops what it still holds and sends the carrier's `clear` before it
+sends anything else, so at most the one message already on its way goes out after the request.
+Flow control (`pause`): while the carrier asks us to hold off, nothing is sent and the outbox
+keeps only the newest `max_buffered_ms`; sending resumes (re-primed) when it says go on.
 """
 
 from __future__ import annotations
@@ -21,14 +27,20 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 from starlette.websockets import WebSocketDisconnect
 
 from .audio_path import OutboundAudio, silence_chunk
 from .carrier import MULAW_8K, AudioFormat, Outgoing, StreamWire
+from .link import LinkClosed
 from .playback_buffer import CHUNK_S, FrameJitter, MarkTracker, PlaybackClock, percentile
 
 OnFrame = Callable[[Any], None]  # a session OutFrame
 OnSent = Callable[[bytes, float], None]  # (payload, monotonic time the carrier starts playing it)
+# An engine frame at least this loud (RMS, dBFS) is the agent talking: while any of it is still
+# to be heard, a caller who starts talking barges in.
+AUDIBLE_DB = -40.0
+_AUDIBLE_MS = 10 ** (AUDIBLE_DB / 10)  # the same as a mean square
 
 
 class SendFailed(Exception):
@@ -70,6 +82,21 @@ class Playout:
         self.out_dropped = 0
         self.max_send_gap_s = 0.0  # longest wait between two of our media messages
         self._last_send = 0.0
+        # Which outbox payloads are the agent talking (in outbox order), and how many; when the
+        # last one sent of those ends playing at the carrier.
+        self._voiced: deque[bool] = deque()
+        self._outbox_voiced = 0
+        self._voiced_play_end = 0.0
+        self._wake = self._outbox_ready  # frames, a barge-in and a resume all wake the pacer
+        self._barge = False
+        self._barge_asked_at = 0  # frames_out when the barge-in was asked for
+        self.barge_ins = 0
+        self.barge_dropped = 0  # payloads dropped from the outbox by barge-ins
+        self.barge_sent_after = 0  # most payloads that went out between a barge-in's request and its clear
+        self._paused = False
+        self._paused_at = 0.0
+        self.pauses = 0
+        self.paused_s = 0.0
 
     def start_stream(self, messages: StreamWire, fmt: AudioFormat) -> None:
         """The stream has started: its messages and its outbound format (before any frame)."""
@@ -86,6 +113,32 @@ class Playout:
         """We sent `clear`: the carrier dropped what it held of ours."""
         self.clock.cleared(time.monotonic())
         self.marks.drop_all()
+        self._voiced_play_end = 0.0
+
+    def audible(self, now: float) -> bool:
+        """The agent's talking is still to be heard: queued at the carrier or in our outbox."""
+        return self._outbox_voiced > 0 or now < self._voiced_play_end
+
+    def barge_in(self) -> None:
+        """The caller talks over the agent: drop what is not yet heard (done by the pacer)."""
+        if not self._barge:
+            self._barge = True
+            self._barge_asked_at = self.frames_out
+            self._wake.set()
+
+    def pause(self, paused: bool) -> None:
+        """Flow control: hold off sending (True) or go on (False)."""
+        if paused == self._paused:
+            return
+        now = time.monotonic()
+        self._paused = paused
+        if paused:
+            self.pauses += 1
+            self._paused_at = now
+        else:
+            self.paused_s += now - self._paused_at
+            self.clock.started = False  # start again with the cushion; the wait was no underrun
+        self._wake.set()
 
     # --- the two tasks -------------------------------------------------------------------------
     async def run(self, session: Any) -> None:
@@ -94,7 +147,7 @@ class Playout:
         reader = asyncio.create_task(self._read_frames(session))
         try:
             await self._pace()
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+        except (LinkClosed, WebSocketDisconnect, RuntimeError, OSError) as exc:
             raise SendFailed(type(exc).__name__) from exc
         finally:
             reader.cancel()
@@ -108,11 +161,16 @@ class Playout:
                 if self._on_frame is not None:
                     self._on_frame(out)
                 chunks = self.outbound.convert(out.pcm)
+                pcm = np.asarray(out.pcm, np.float32)
+                voiced = bool(len(pcm)) and float(np.dot(pcm, pcm)) / len(pcm) >= _AUDIBLE_MS
                 self._outbox.extend(chunks)
                 self._outbox_chunks += len(chunks)
+                self._voiced.extend([voiced] * len(chunks))
+                self._outbox_voiced += len(chunks) if voiced else 0
                 self._outbox.append(str(out.index))  # a mark after the frame
                 while self._outbox_chunks > self._buffer_limit:
                     if isinstance(self._outbox.popleft(), bytes):
+                        self._take_voiced()
                         self._outbox_chunks -= 1
                         self.out_dropped += 1
                 self._outbox_ready.set()
@@ -120,22 +178,33 @@ class Playout:
             self._frames_done = True
             self._outbox_ready.set()
 
+    def _take_voiced(self) -> bool:
+        voiced = self._voiced.popleft()
+        self._outbox_voiced -= voiced
+        return voiced
+
     async def _pace(self) -> None:
         """A 20 ms message whenever the carrier's buffer has room under the target, marks as they
         come. An empty buffer there is first refilled with the cushion."""
         while True:
-            if not self._outbox:
-                if self._frames_done:
+            if self._barge:
+                await self._flush()
+                continue
+            if self._paused or not self._outbox:
+                if self._frames_done and (self._paused or not self._outbox):
                     return
-                self._outbox_ready.clear()
-                await self._outbox_ready.wait()
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             item = self._outbox.popleft()
             if isinstance(item, bytes):
                 self._outbox_chunks -= 1
+                voiced = self._take_voiced()
             else:
-                await self._send(self.messages.mark(item))  # type: ignore[union-attr]
-                self.marks.add(item, self.clock.sent_s)
+                mark = self.messages.mark(item)  # type: ignore[union-attr]
+                if mark is not None:
+                    await self._send(mark)
+                    self.marks.add(item, self.clock.sent_s)
                 continue
             if self.clock.needs_prime(time.monotonic()):
                 if self.clock.started:
@@ -144,24 +213,44 @@ class Playout:
                     self._cushion_chunks = min(self._cushion_chunks + 1, self._max_cushion_chunks)
                     self.clock.target_s = (self._cushion_chunks + 1) * CHUNK_S
                 for _ in range(self._cushion_chunks):
-                    await self._send_chunk(self._silence)
-            await self._send_chunk(item)
+                    await self._send_chunk(self._silence, False)
+            await self._send_chunk(item, voiced)
 
-    async def _send_chunk(self, chunk: bytes) -> None:
+    async def _send_chunk(self, chunk: bytes, voiced: bool) -> None:
         now = time.monotonic()
         wait = self.clock.wait_before_send(now)
         if wait > 0:
             await asyncio.sleep(wait)
             now = time.monotonic()
+        if self._barge or self._paused:  # asked for while we waited: this one is not sent
+            return
         await self._send(self.messages.media(chunk))  # type: ignore[union-attr]
         plays_at = max(now, self.clock.play_end)
         self.clock.sent(now, CHUNK_S)
+        if voiced:
+            self._voiced_play_end = self.clock.play_end
         if self._on_sent is not None:
             self._on_sent(chunk, plays_at)
         if self.frames_out:
             self.max_send_gap_s = max(self.max_send_gap_s, now - self._last_send)
         self._last_send = now
         self.frames_out += 1
+
+    async def _flush(self) -> None:
+        """The barge-in itself: forget the outbox, clear the carrier, start the next words fresh."""
+        self._barge = False
+        self.barge_ins += 1
+        self.barge_sent_after = max(self.barge_sent_after, self.frames_out - self._barge_asked_at)
+        self.barge_dropped += self._outbox_chunks
+        self._outbox.clear()
+        self._voiced.clear()
+        self._outbox_chunks = self._outbox_voiced = 0
+        self.outbound.reset()
+        message = self.messages.clear()  # type: ignore[union-attr]
+        if message is not None:
+            await self._send(message)
+        self.cleared()
+        self.clock.started = False  # the next words start with the cushion: not an underrun
 
     # --- numbers -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -179,4 +268,9 @@ class Playout:
             "queued_ms_marks_max": round(max(queued_ms, default=0.0), 1),
             "marks_sent": self.marks.sent,
             "marks_acked": self.marks.acked,
+            "barge_ins": self.barge_ins,
+            "barge_in_dropped_ms": round(self.barge_dropped * CHUNK_S * 1000),
+            "barge_in_sent_after": self.barge_sent_after,
+            "flow_pauses": self.pauses,
+            "flow_paused_ms": round(self.paused_s * 1000),
         }

@@ -34,8 +34,9 @@ RECORD = "record.json"
 EVENTS = "events.jsonl"
 RECORDING = "recording.wav"
 # Carriers' call ids: letters and digits (Twilio, Exotel), UUIDs (Plivo, Vonage), `v3:…` with
-# `-`/`_` (Telnyx). Never a `/` or a leading dot: an id is always one plain folder name.
-_SID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_-]{1,127}$")
+# `-`/`_` (Telnyx), `1712345678.42` (Asterisk's UNIQUEID). Never a `/` or a leading dot: an id
+# is always one plain folder name.
+_SID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.:_-]{1,127}$")
 MAX_TRANSCRIPT = 50_000  # pieces kept per call (a 15 min call of the real model has ~3 000)
 
 

@@ -34,10 +34,11 @@ from personaplex_voice.errors import UserError
 from personaplex_voice.session_api import SessionHost
 
 from .audio_path import InboundAudio, OutboundAudio
-from .carrier import CLOSE_POLICY, AudioFormat, CallFacts, Carrier, Reply, Webhook
+from .carrier import CLOSE_POLICY, AudioFormat, CallFacts, Carrier, Reply, StreamWire, Webhook
 from .config import PhoneSettings
 from .context import CALL_FACTS, facts_body, fetch_context, pick_declared
 from .http_out import HttpOut
+from .link import StreamLink, WebSocketLink
 from .personas import RESERVED_QUERY, PersonaBook, PersonaSpec
 from .phone_call import CallOutputs, Parking, PhoneCall
 from .records import RecordStore
@@ -249,7 +250,10 @@ class PhoneService:
         journal = self.registry.status(
             call_id, carrier.name, "webhook", direction=facts.direction, from_=facts.from_, to=facts.to
         )
-        query = dict(webhook.query)
+        # The flow's values (persona, template variables): in the query string (Twilio Studio's
+        # URL), or where the carrier says (Asterisk's POST /asterisk/calls has them in its body).
+        flow_values = getattr(carrier, "flow_values", None)
+        query = dict(flow_values(webhook)) if callable(flow_values) else dict(webhook.query)
         base = public_base(self.settings, request)
         stream_base = websocket_base(base) + carrier.paths.media
         resume = query.get("resume")
@@ -411,7 +415,22 @@ class PhoneService:
             await ws.close(code=CLOSE_POLICY)  # before accept: the client gets HTTP 403
             return
         await ws.accept()
-        await PhoneStream(ws, ticket, self.services, carrier, public_base(self.settings, ws)).run()
+        await self.run_stream(carrier, WebSocketLink(ws), ticket, public_base(self.settings, ws))
+
+    async def run_stream(
+        self,
+        carrier: Carrier,
+        link: StreamLink,
+        ticket: str,
+        base: str,
+        wire: StreamWire | None = None,
+    ) -> PhoneStream:
+        """One media stream of `carrier` on an accepted link, presenting `ticket` (a reservation
+        of our answer, or a resume token), to its end. `wire`: the stream's own, when the carrier
+        builds it with what it already knows of the call (else `carrier.new_wire()`)."""
+        stream = PhoneStream(link, ticket, self.services, carrier, base, wire)
+        await stream.run()
+        return stream
 
     async def unticketed_stream(self, carrier: Carrier, ws: WebSocket) -> None:
         """The bare stream URL: refused. Every stream comes from our answer's ticketed URL (a

@@ -1,4 +1,5 @@
-"""One media stream on `/<carrier>/media-stream/<ticket>`: the life cycle of a call's stream.
+"""One media stream (`/<carrier>/media-stream/<ticket>`, or a carrier's own socket such as
+Asterisk's AudioSocket): the life cycle of a call's stream, whatever carries it (link.py).
 
 Per stream run: the receive loop (`run`: the carrier's StreamWire turns each message into an
 event; caller audio goes through caller_audio.py), a watchdog (idle and duration limits), the
@@ -12,6 +13,10 @@ hang-up digit, an action) goes through `_finish`: close the session (or park it,
 that resumes), clear the carrier's buffer of ours, give the call its last instructions via REST
 when it is still up (hang up, a goodbye, an apology when the engine was lost), close the socket,
 finish the call.
+
+Barge-in (where the carrier or PERSONAPLEX_PHONE_BARGE_IN turns it on): each caller message
+also goes to the barge-in detector (barge_in.py); a talk spurt that starts while the agent can
+still be heard makes the playout drop what it holds.
 
 Anything malformed closes this call's socket and frees its slot; nothing here can block another
 call (every wait is bounded, every queue is bounded).
@@ -30,14 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from personaplex_voice.engine.base import CapacityError, Persona
 from personaplex_voice.session_api import CallSession, SessionHost, TicketError
 
 from .actions import ActionRule
+from .barge_in import BargeIn
 from .caller_audio import CallerAudio
 from .carrier import (
+    CHUNK_MS,
     CLOSE_ERROR,
     CLOSE_NORMAL,
     CLOSE_TOO_BIG,
@@ -46,6 +52,7 @@ from .carrier import (
     Carrier,
     Dial,
     Digit,
+    FlowControl,
     Hangup,
     MarkPlayed,
     Outcome,
@@ -58,8 +65,10 @@ from .carrier import (
     Step,
     StreamStart,
     StreamStop,
+    StreamWire,
 )
 from .config import PhoneSettings
+from .link import LinkClosed, StreamLink
 from .personas import DEFAULT_NAME, PersonaBook, PersonaSpec, plain_spec
 from .phone_call import CallOutputs, Parking, PhoneCall
 from .playout import Playout, SendFailed
@@ -133,15 +142,24 @@ def steps_for(rule: ActionRule, persona: str, resume_token: str | None) -> list[
 
 class PhoneStream:
     def __init__(
-        self, ws: WebSocket, ticket: str, services: CallServices, carrier: Carrier, public_base: str
+        self,
+        link: StreamLink,
+        ticket: str,
+        services: CallServices,
+        carrier: Carrier,
+        public_base: str,
+        wire: StreamWire | None = None,
     ):
-        self.ws = ws
+        self.link = link
         self.ticket = ticket  # our answer's reservation (or a resume token): the stream URL's last segment
         self.services = services
         self.carrier = carrier
         self.settings = settings = services.settings
         self.public_base = public_base
-        self.wire = carrier.new_wire()
+        self.wire = wire if wire is not None else carrier.new_wire()
+        # A carrier that plays our audio on arrival holds nothing: we keep only one message ahead
+        # (sending each at its time, give or take the event loop's timer slop).
+        on_arrival = bool(getattr(self.wire, "plays_on_arrival", False))
         self.stream_sid = ""
         self.call_sid = ""
         self.handle = CallHandle("")
@@ -152,11 +170,15 @@ class PhoneStream:
         self.playout = Playout(
             self._send,
             max_queued_ms=settings.max_queued_ms,
-            playout_cushion_ms=settings.playout_cushion_ms,
+            playout_cushion_ms=CHUNK_MS if on_arrival else settings.playout_cushion_ms,
             max_buffered_ms=settings.max_buffered_ms,
             on_frame=self._on_agent_frame,
             on_sent=self._on_agent_sent,
         )
+        barge_in = settings.barge_in
+        if barge_in is None:
+            barge_in = bool(getattr(carrier, "barge_in", False))
+        self.barge = BargeIn(settings.barge_in_db) if barge_in else None
         self.dtmf: list[str] = []
         self.started_at = time.monotonic()
         self.last_agent_pcm: np.ndarray | None = None
@@ -190,8 +212,8 @@ class PhoneStream:
             reason, close_code = f"protocol error: {exc}", exc.code
         except CallEnded as exc:
             reason, hang_up, steps = exc.reason, exc.hang_up, exc.steps
-        except WebSocketDisconnect:
-            # Carriers that end a stream by closing it (Plivo, Vonage) end the call this way.
+        except LinkClosed:
+            # Carriers that end a stream by closing it (Plivo, Vonage, Asterisk) end the call this way.
             reason = "stop" if self._started and self.carrier.stream_ends_on_close else "socket closed"
         except asyncio.CancelledError:
             if self._ended is None:  # the server is shutting down: not ours to swallow
@@ -239,9 +261,7 @@ class PhoneStream:
         while True:
             if self._ended is not None:
                 raise self._ended
-            raw = await self.ws.receive()
-            if raw["type"] == "websocket.disconnect":
-                raise WebSocketDisconnect(raw.get("code", CLOSE_NORMAL))
+            raw = await self.link.receive()
             size = len(raw.get("text") or raw.get("bytes") or b"")
             if size > limit:
                 raise ProtocolError(f"message of {size} bytes exceeds {limit}", CLOSE_TOO_BIG)
@@ -254,6 +274,8 @@ class PhoneStream:
         if isinstance(event, StreamStart):
             self._on_start(event)
             return False
+        if isinstance(event, StreamStop):
+            return True  # before its start too: the caller hung up while it was connecting
         if not self._started:
             raise ProtocolError(f"{type(event).__name__} before the stream started")
         if isinstance(event, CallerMedia):
@@ -262,8 +284,8 @@ class PhoneStream:
             self.playout.mark_echoed(event.name)
         elif isinstance(event, Digit):
             self._on_dtmf(event.digit)
-        elif isinstance(event, StreamStop):
-            return True
+        elif isinstance(event, FlowControl):
+            self.playout.pause(event.paused)
         return False
 
     def _on_start(self, start: StreamStart) -> None:
@@ -367,9 +389,18 @@ class PhoneStream:
     def _on_media(self, media: CallerMedia) -> None:
         self.caller.feed(media.payload, media.chunk, self.session if self.session_ready else None)
         call = self.call
+        barge = self.barge if self.session_ready else None
+        pcm = None
+        if barge is not None or (call is not None and call.records_audio):
+            pcm = self.caller.inbound.decode(media.payload)
+        if barge is not None and pcm is not None:
+            seconds = len(pcm) / self.caller.format.rate
+            if barge.feed(pcm, seconds) and self.playout.audible(self.caller.last_media):
+                barge.fired()
+                self.playout.barge_in()
+                log.info("%s %s: barge-in: the caller talks over the agent", self.name, self.stream_sid)
         if call is not None:
-            pcm = self.caller.inbound.decode(media.payload) if call.records_audio else None
-            call.caller_media(pcm, media.chunk, self.caller.last_media)
+            call.caller_media(pcm if call.records_audio else None, media.chunk, self.caller.last_media)
 
     def _on_dtmf(self, digit: str) -> None:
         self.dtmf.append(digit)
@@ -393,11 +424,8 @@ class PhoneStream:
 
     async def _send(self, message: Outgoing) -> None:
         # No lock: one task writes at a time (the pacer; `_finish` sends `clear` only after it
-        # has cancelled the pacer and waited for it), and uvicorn sends each message whole.
-        if isinstance(message, bytes):
-            await self.ws.send_bytes(message)
-        else:
-            await self.ws.send_text(message)
+        # has cancelled the pacer and waited for it), and each link sends a message whole.
+        await self.link.send(message)
 
     async def _send_loop(self) -> None:
         try:
@@ -458,11 +486,13 @@ class PhoneStream:
         elif self.session is not None:
             with contextlib.suppress(Exception):
                 await self.session.close(reason=session_close_reason(reason))
-        connected = self.ws.client_state == WebSocketState.CONNECTED
+        connected = self.link.open
         if connected and self._started:
             # Drop whatever the carrier still holds of ours, then hang up before the socket goes.
             with contextlib.suppress(Exception):
-                await self._send(self.wire.clear())
+                clear = self.wire.clear()
+                if clear is not None:
+                    await self._send(clear)
                 self.playout.cleared()
         control = self.carrier.control
         if self.call_sid and steps:
@@ -479,8 +509,7 @@ class PhoneStream:
             if not parked:
                 await call.finish(reason, metrics)
         if connected:
-            with contextlib.suppress(Exception):
-                await self.ws.close(code=close_code, reason=reason[:100])
+            await self.link.close(close_code, reason)
         log.info(
             "%s %s: call %s ended (%s) call_metrics=%s",
             self.name,

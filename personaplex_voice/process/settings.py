@@ -67,8 +67,10 @@ class ServerSettings(BaseSettings):
     # Comma-separated list of allowed browser origins; empty or "*" allows every origin.
     allowed_origins: str = "*"
     twilio: bool = False  # the same as "twilio" in `carriers`
-    # Phone carriers to mount (personaplex_phone): "twilio,telnyx,plivo,vonage,exotel".
+    # Phone carriers to mount (personaplex_phone): "twilio,telnyx,plivo,vonage,exotel,asterisk".
     carriers: str = ""
+    # Asterisk AudioSocket listener, HOST:PORT (mounts the asterisk carrier too). Keep it private.
+    audiosocket: str = ""
     # Call records (the Twilio bridge's transcripts, recordings, JSON records) are kept here.
     records_dir: Path | None = None
     # Largest WebSocket message accepted on /api/chat (an Ogg page is at most ~64 KiB).
@@ -152,6 +154,8 @@ class ServerSettings(BaseSettings):
         names = [n.strip().lower() for n in self.carriers.split(",") if n.strip()]
         if self.twilio and "twilio" not in names:
             names.insert(0, "twilio")
+        if self.audiosocket and "asterisk" not in names:
+            names.append("asterisk")
         return names
 
     @property
