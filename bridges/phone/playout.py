@@ -52,24 +52,36 @@ class Playout:
         self.messages: StreamWire | None = None  # set by `start_stream`
         self.outbound = OutboundAudio()
         self._silence = silence_chunk(MULAW_8K)
-        self.clock = PlaybackClock(
-            max_queued_s=max_queued_ms / 1000,
-            target_s=(round(playout_cushion_ms / 1000 / CHUNK_S) + 1) * CHUNK_S,
-        )
+        self._limits_ms = (max_queued_ms, playout_cushion_ms, max_buffered_ms)
+        self.clock = PlaybackClock(max_queued_s=max_queued_ms / 1000)
         self.marks = MarkTracker()
         self.jitter = FrameJitter()
-        self._buffer_limit = max(1, round(max_buffered_ms / 1000 / CHUNK_S))
-        # Outbound audio not yet sent: 160-byte payloads, and mark names (str) after each frame.
+        # Outbound audio not yet sent: one message's payloads, and mark names (str) after each frame.
         self._outbox: deque[bytes | str] = deque()  # payloads, and mark names (str)
         self._outbox_ready = asyncio.Event()
         self._frames_done = False
         self._outbox_chunks = 0  # payloads (not marks) in the outbox
-        self._cushion_chunks = round(playout_cushion_ms / 1000 / CHUNK_S)
-        self._max_cushion_chunks = max(self._cushion_chunks, round(max_queued_ms / 1000 / CHUNK_S) - 1)
+        self._pace_in(CHUNK_S)
         self.frames_out = 0
         self.out_dropped = 0
         self.max_send_gap_s = 0.0  # longest wait between two of our media messages
         self._last_send = 0.0
+
+    def _pace_in(self, message_s: float) -> None:
+        """Cushion, target and limits in whole messages of `message_s` (20 ms on most carriers).
+        Messages longer than that get a message of cushion at least, and the carrier may hold
+        two of them whatever MAX_QUEUED_MS says: the next must come before this one has played."""
+        max_queued_ms, cushion_ms, max_buffered_ms = self._limits_ms
+        cushion = round(cushion_ms / 1000 / message_s)
+        if message_s > CHUNK_S:
+            cushion = max(cushion, 1)
+        most = max(round(max_queued_ms / 1000 / message_s), cushion + 1)
+        self.clock.message_s = message_s
+        self.clock.max_queued_s = most * message_s
+        self.clock.target_s = (cushion + 1) * message_s
+        self._cushion_chunks = cushion
+        self._max_cushion_chunks = most - 1
+        self._buffer_limit = max(1, round(max_buffered_ms / 1000 / message_s))
 
     def start_stream(self, messages: StreamWire, fmt: AudioFormat) -> None:
         """The stream has started: its messages and its outbound format (before any frame)."""
@@ -77,6 +89,7 @@ class Playout:
         if fmt != self.outbound.format:
             self.outbound = OutboundAudio(fmt)
             self._silence = silence_chunk(fmt)
+            self._pace_in(fmt.message_s)
 
     # --- the carrier's side --------------------------------------------------------------------
     def mark_echoed(self, name: str) -> None:
@@ -121,8 +134,8 @@ class Playout:
             self._outbox_ready.set()
 
     async def _pace(self) -> None:
-        """A 20 ms message whenever the carrier's buffer has room under the target, marks as they
-        come. An empty buffer there is first refilled with the cushion."""
+        """A message (20 ms on most carriers) whenever the carrier's buffer has room under the
+        target, marks as they come. An empty buffer there is first refilled with the cushion."""
         while True:
             if not self._outbox:
                 if self._frames_done:
@@ -134,15 +147,17 @@ class Playout:
             if isinstance(item, bytes):
                 self._outbox_chunks -= 1
             else:
-                await self._send(self.messages.mark(item))  # type: ignore[union-attr]
-                self.marks.add(item, self.clock.sent_s)
+                mark = self.messages.mark(item)  # type: ignore[union-attr]
+                if mark is not None:  # None: the carrier has no marks
+                    await self._send(mark)
+                    self.marks.add(item, self.clock.sent_s)
                 continue
             if self.clock.needs_prime(time.monotonic()):
                 if self.clock.started:
                     # The carrier ran dry: this call's engine frames come later than the cushion
                     # covers. Grow it by a message (up to the limit), like a jitter buffer.
                     self._cushion_chunks = min(self._cushion_chunks + 1, self._max_cushion_chunks)
-                    self.clock.target_s = (self._cushion_chunks + 1) * CHUNK_S
+                    self.clock.target_s = (self._cushion_chunks + 1) * self.clock.message_s
                 for _ in range(self._cushion_chunks):
                     await self._send_chunk(self._silence)
             await self._send_chunk(item)
@@ -155,7 +170,7 @@ class Playout:
             now = time.monotonic()
         await self._send(self.messages.media(chunk))  # type: ignore[union-attr]
         plays_at = max(now, self.clock.play_end)
-        self.clock.sent(now, CHUNK_S)
+        self.clock.sent(now)
         if self._on_sent is not None:
             self._on_sent(chunk, plays_at)
         if self.frames_out:
@@ -171,7 +186,7 @@ class Playout:
             "late_frames": self.clock.underruns,
             "max_send_gap_ms": round(self.max_send_gap_s * 1000, 1),
             "outbound_dropped": self.out_dropped,
-            "playout_cushion_ms": round(self._cushion_chunks * CHUNK_S * 1000),
+            "playout_cushion_ms": round(self._cushion_chunks * self.clock.message_s * 1000),
             "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
             "jitter_p99_ms": round(self.jitter.p99_ms(), 2),
             "max_queued_ms_model": round(self.clock.max_seen_queue_s * 1000, 1),

@@ -10,8 +10,14 @@ API), never on the audio path.
 Whatever ends the stream (the carrier's stop, a limit, the session ending on the server, a DTMF
 hang-up digit, an action) goes through `_finish`: close the session (or park it, for a `play`
 that resumes), clear the carrier's buffer of ours, give the call its last instructions via REST
-when it is still up (hang up, a goodbye, an apology when the engine was lost), close the socket,
+when it is still up (hang up, a goodbye, an apology when the engine was lost), say the wire's
+farewell where its protocol has one (then let the carrier close its side), close the socket,
 finish the call.
+
+Where no answer webhook comes first (`Carrier.answers_in_stream`: Genesys), the stream's start
+is the call's arrival: it is admitted then (`CallServices.admit`: persona, context, a ticket)
+and the wire tells the carrier yes or no (`accept` / `refuse`). Wires whose protocol answers
+messages (a pong) leave them in `wire.replies`, sent after each message.
 
 Anything malformed closes this call's socket and frees its slot; nothing here can block another
 call (every wait is bounded, every queue is bounded).
@@ -25,7 +31,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,16 +49,19 @@ from .carrier import (
     CLOSE_TOO_BIG,
     CallerMedia,
     CallHandle,
+    CallOutcome,
     Carrier,
     Dial,
     Digit,
     Hangup,
+    LinePaused,
     MarkPlayed,
     Outcome,
     Outgoing,
     Play,
     ProtocolError,
     Redirect,
+    Refused,
     Resume,
     Say,
     Step,
@@ -66,6 +75,9 @@ from .playout import Playout, SendFailed
 from .registry import CallRegistry
 
 log = logging.getLogger(__name__)
+
+FAREWELL_WAIT_S = 5.0  # after our farewell, how long the carrier may take to close its side
+AGENT_SAID_CHARS = 2000  # of the agent's words, what a farewell may carry (the latest)
 
 
 class CallEnded(Exception):
@@ -103,6 +115,9 @@ class CallServices:
     book: PersonaBook
     outputs: CallOutputs
     parking: Parking
+    # Streams that are the call's arrival (no answer webhook): admit the call at its start and
+    # return its ticket, or raise Refused.
+    admit: Callable[[Carrier, StreamStart], Awaitable[str]] | None = None
 
 
 def level_db(pcm: np.ndarray | None) -> float:
@@ -169,6 +184,9 @@ class PhoneStream:
         self._actions: set[asyncio.Task[None]] = set()
         self._park_token: str | None = None  # set by a `play … then: resume` that went through
         self._live_key = ""
+        self._replies: list[Outgoing] | None = getattr(self.wire, "replies", None)
+        self._line_paused = False  # the carrier said it stopped sending the caller's audio
+        self._refused = False  # an in-stream admission said no (the wire told the carrier)
 
     @property
     def record(self) -> Any:
@@ -226,7 +244,7 @@ class PhoneStream:
                 goodbye = self.call.spec.goodbye if self.call is not None else None
                 self._end("max duration", hang_up=True, steps=[Say(goodbye), Hangup()] if goodbye else None)
                 return
-            if now - self.caller.last_media >= idle_limit:
+            if not self._line_paused and now - self.caller.last_media >= idle_limit:
                 self._end("idle timeout" if self._started else "no start message", hang_up=True)
                 return
             await asyncio.sleep(min(0.5, idle_limit / 4))
@@ -246,8 +264,36 @@ class PhoneStream:
             if size > limit:
                 raise ProtocolError(f"message of {size} bytes exceeds {limit}", CLOSE_TOO_BIG)
             event = self.wire.parse(raw)
-            if event is not None and self._handle(event):
+            if self._replies:
+                await self._send_replies()
+            if event is None:
+                continue
+            if isinstance(event, StreamStart) and not self.ticket and not self._started:
+                await self._admit(event)
+            if self._handle(event):
                 return
+
+    async def _send_replies(self) -> None:
+        replies = self._replies
+        while replies:
+            await self._send(replies.pop(0))
+
+    async def _admit(self, start: StreamStart) -> None:
+        """The stream is the call's arrival: admit it now (a ticket), or tell the carrier no."""
+        admit = self.services.admit
+        if admit is None:
+            raise ProtocolError("a stream without its ticket")
+        try:
+            self.ticket = await admit(self.carrier, start)
+        except Refused as refusal:
+            self._refused = True
+            refuse = getattr(self.wire, "refuse", None)
+            if refuse is not None:
+                await self._send(refuse(refusal.message, refusal.busy))
+            raise CallEnded(f"refused: {refusal.message}", hang_up=False) from None
+        accept = getattr(self.wire, "accept", None)
+        if accept is not None:
+            await self._send(accept())
 
     def _handle(self, event: Any) -> bool:
         """Dispatch one event; True when the stream is over."""
@@ -262,9 +308,19 @@ class PhoneStream:
             self.playout.mark_echoed(event.name)
         elif isinstance(event, Digit):
             self._on_dtmf(event.digit)
+        elif isinstance(event, LinePaused):
+            self._on_pause(event.paused)
         elif isinstance(event, StreamStop):
             return True
         return False
+
+    def _on_pause(self, paused: bool) -> None:
+        if paused == self._line_paused:
+            return
+        self._line_paused = paused
+        self.caller.last_media = time.monotonic()  # the idle limit counts again from the resume
+        log.info("%s %s: the line is %s", self.name, self.stream_sid, "paused" if paused else "resumed")
+        self.services.registry.status(self.call_sid, self.name, "paused" if paused else "resumed")
 
     def _on_start(self, start: StreamStart) -> None:
         if self._started:
@@ -462,8 +518,10 @@ class PhoneStream:
         if connected and self._started:
             # Drop whatever the carrier still holds of ours, then hang up before the socket goes.
             with contextlib.suppress(Exception):
-                await self._send(self.wire.clear())
-                self.playout.cleared()
+                clear = self.wire.clear()
+                if clear is not None:
+                    await self._send(clear)
+                    self.playout.cleared()
         control = self.carrier.control
         if self.call_sid and steps:
             outcome: Outcome = await control.instruct(self.handle, steps)
@@ -471,6 +529,8 @@ class PhoneStream:
                 await control.hang_up(self.handle)
         elif hang_up and self.call_sid:
             await control.hang_up(self.handle)
+        if connected:
+            await self._farewell(reason)
         self.services.registry.live.pop(self._live_key, None)
         metrics = self.metrics()
         if call is not None:  # before the socket closes: whoever saw the call end finds its record
@@ -489,6 +549,40 @@ class PhoneStream:
             reason,
             json.dumps(metrics, default=str),
         )
+
+    async def _farewell(self, reason: str) -> None:
+        """The wire's last words, where its protocol has them (Genesys's `disconnect`), then what
+        the carrier says until it closes its side (its `close`, answered), a few seconds at most."""
+        farewell = getattr(self.wire, "farewell", None)
+        if farewell is None or not (self._started or self._refused):
+            return
+        with contextlib.suppress(Exception):
+            messages = farewell(CallOutcome(reason, self._agent_said())) if self._started else []
+            for message in messages:
+                await self._send(message)
+            if messages or self._refused:
+                await asyncio.wait_for(self._until_carrier_closes(), FAREWELL_WAIT_S)
+
+    async def _until_carrier_closes(self) -> None:
+        limit = self.settings.max_message_bytes
+        while True:
+            raw = await self.ws.receive()
+            if raw["type"] == "websocket.disconnect":
+                return
+            if len(raw.get("text") or raw.get("bytes") or b"") > limit:
+                return
+            event = self.wire.parse(raw)
+            if self._replies:
+                await self._send_replies()
+            if isinstance(event, StreamStop):
+                return
+
+    def _agent_said(self) -> str:
+        record = self.record
+        if record is None:
+            return ""
+        pieces = [str(p.get("text", "")) for p in record.transcript[-1000:]]
+        return " ".join("".join(pieces).split())[-AGENT_SAID_CHARS:]
 
     # --- what the call list and the calls page show ----------------------------------------
     def metrics(self) -> dict[str, Any]:
