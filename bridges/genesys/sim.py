@@ -24,6 +24,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from personaplex_phone.carrier import AudioFormat
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
+from personaplex_phone.urls import websocket_base
 
 from . import httpsig
 from .carrier import MEDIA_PATH, authority
@@ -75,7 +76,7 @@ class GenesysSide:
             "Audiohook-Correlation-Id": str(uuid.uuid4()),
         }
         self._sessions[session] = _Session(ani=from_, dnis=to)
-        url = f"{public_url}{MEDIA_PATH}/{self.connector_id}"
+        url = f"{websocket_base(public_url)}{MEDIA_PATH}/{self.connector_id}"
         return StreamOffer(call_id, url, dict(parse_qsl(query)), PCMU_8K, PCMU_8K, headers)
 
     def answer_request(

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from personaplex_phone import carrier as phone
 from personaplex_phone.carrier import CallFacts, CallStatus, CarrierPaths, Reply, Webhook
 from starlette.requests import HTTPConnection
@@ -113,10 +115,7 @@ class JambonzCarrier:
         return JambonzWire()
 
     # --- the listen's actionHook -----------------------------------------------------------------
-    def routes(self, service: Any) -> Any:
-        from fastapi import APIRouter, Request
-        from fastapi.responses import Response
-
+    def routes(self, service: Any) -> APIRouter:
         router = APIRouter()
 
         async def action(request: Request) -> Response:
