@@ -186,8 +186,12 @@ def test_a_refusal_and_a_lost_engine_tell_the_flow() -> None:
     refusal = json.loads(wire.refuse("All our agents are busy.", busy=True))
     assert refusal["type"] == "disconnect" and refusal["parameters"]["reason"] == "error"
     assert refusal["parameters"]["outputVariables"] == {"action": "busy", "say": "All our agents are busy."}
-    lost = GenesysWire({}).output_variables(CallOutcome("session ended: engine_lost"))
-    assert lost["action"] == "error"
+    wire, genesys, _, _ = opened_session()
+    genesys.saw(wire.accept())
+    (lost,) = wire.farewell(CallOutcome("session ended: engine_lost"))
+    lost = json.loads(lost)["parameters"]
+    assert lost["reason"] == "error" and lost["outputVariables"]["action"] == "error"  # the failure path
+    assert lost["info"] == "session ended: engine_lost"
 
 
 def test_steps_as_output_variables() -> None:
@@ -287,3 +291,39 @@ def test_settings_need_the_api_key_and_a_base64_secret() -> None:
     with pytest.raises(UserError, match="base64"):
         GenesysSettings(api_key="k", client_secret="not base64!").check(validate=True)
     assert GenesysSettings(api_key="k", client_secret=base64.b64encode(KEY).decode()).secret_key() == KEY
+
+
+def test_phone_simulate_finds_the_genesys_side() -> None:
+    from personaplex_genesys.sim import GenesysSide
+    from personaplex_phone.simulator import load_side
+
+    side = load_side("genesys", api_key="k", client_secret=base64.b64encode(KEY).decode())
+    assert isinstance(side, GenesysSide) and side.key == KEY
+
+
+# --- the phone call, pacing in Genesys's long messages --------------------------------------------
+
+
+def test_the_pacer_keeps_one_long_message_of_cushion_and_sends_no_marks() -> None:
+    import numpy as np
+    from personaplex_phone.playout import Playout
+
+    sent: list[str | bytes] = []
+
+    async def send(message: str | bytes) -> None:
+        sent.append(message)
+
+    class Frames:
+        async def frames(self):
+            for index in range(4):
+                yield type("Out", (), {"pcm": np.zeros(1920, np.float32), "index": index, "text": None})()
+
+    playout = Playout(send, max_queued_ms=100, playout_cushion_ms=40, max_buffered_ms=400)
+    assert (playout.clock.target_s, playout.clock.max_queued_s) == pytest.approx((0.06, 0.1))  # 20 ms
+    wire = GenesysWire({}, message_ms=100)
+    playout.start_stream(wire, phone.AudioFormat("pcmu", 8000, message_ms=100))
+    # Messages of 100 ms: one of cushion, and up to two held (the next comes before this one ends).
+    assert (playout.clock.target_s, playout.clock.max_queued_s) == pytest.approx((0.2, 0.2))
+    asyncio.run(playout.run(Frames()))
+    assert sent and all(isinstance(m, bytes) and len(m) == 800 for m in sent)  # no marks at all
+    assert playout.marks.sent == 0 and playout.frames_out == len(sent)

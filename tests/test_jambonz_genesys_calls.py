@@ -379,6 +379,31 @@ async def test_a_genesys_hold_is_not_an_idle_line(server, speech) -> None:
     await wait_idle(server)
 
 
+async def test_a_broken_stream_ends_alone_and_frees_its_slot(server) -> None:
+    """Odd-length L16 on a jambonz stream, an out-of-order seq on a Genesys session: each closes
+    that stream with the protocol's close code and frees its slot; the server logs no traceback."""
+    await wait_idle(server)
+    sim_j = jambonz(server)
+    async with sim_j.stream(await sim_j.answer(), hang_up=False) as call:
+        await call.answered()
+        await call.send(b"\x00\x01\x02")
+        await asyncio.wait_for(call.closed.wait(), 10)
+    assert call.close_code == 1007
+    sim_g = genesys(server)
+    offer = await sim_g.answer()
+    async with sim_g.stream(offer, hang_up=False) as call:
+        await call.answered()
+        broken = json.loads(sim_g.side.ping(offer))
+        await call.send(json.dumps({**broken, "seq": broken["seq"] + 5}))
+        await asyncio.wait_for(call.closed.wait(), 10)
+    assert call.close_code == 1008
+    (disconnect,) = texts(call, "disconnect")  # the session told why, then was closed
+    assert disconnect["parameters"]["reason"] == "error"
+    assert disconnect["parameters"]["outputVariables"]["action"] == "error"
+    await wait_idle(server)
+    assert "Traceback" not in server.log()
+
+
 def test_the_call_list_shows_both_platforms(server) -> None:
     state = calls_state(server)
     assert {"jambonz", "genesys"} <= set(state["carriers"])

@@ -188,6 +188,13 @@ def test_signatures_are_hmac_of_the_timestamp_and_body() -> None:
     assert signatures.verify(secret, rotated, body, 300, now=t)
 
 
+def test_phone_simulate_finds_the_jambonz_side() -> None:
+    from personaplex_jambonz.sim import JambonzSide
+    from personaplex_phone.simulator import load_side
+
+    assert isinstance(load_side("jambonz", webhook_secret="s"), JambonzSide)
+
+
 def test_a_server_without_the_secret_does_not_start() -> None:
     with pytest.raises(UserError, match="JAMBONZ_WEBHOOK_SECRET"):
         JambonzSettings(webhook_secret="").check(validate=True)

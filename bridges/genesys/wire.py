@@ -17,7 +17,8 @@ counts its `seq` up from 1, one by one.
                                          <-  event (entities: [{"type": "barge_in"}]): drop what
                                              you still hold of ours
                                          <-  disconnect (reason completed, outputVariables): the
-                                             agent is done (a transfer, a hang-up, ...)
+                                             agent is done (a transfer, a hang-up, ...); reason
+                                             error when it failed (its engine was lost)
     close (reason)                       ->  <-  closed (outputVariables)
 
 The outcome reaches the Architect flow as the output variables of our `disconnect`, repeated on
@@ -266,7 +267,12 @@ class GenesysWire:
             return []
         self.ended = True
         self._sent = self.output_variables(outcome)
-        return [self._say("disconnect", {"reason": "completed", "outputVariables": self._sent})]
+        # A failure takes the action's failure path in the flow (its errorType / errorMessage).
+        failed = self._sent["action"] == "error"
+        parameters = {"reason": "error" if failed else "completed", "outputVariables": self._sent}
+        if failed:
+            parameters["info"] = one_line(outcome.reason)
+        return [self._say("disconnect", parameters)]
 
     def output_variables(self, outcome: CallOutcome) -> dict[str, str]:
         """What the Architect flow gets: call control's decision, else what the end says."""

@@ -276,7 +276,14 @@ class PhoneStream:
     async def _send_replies(self) -> None:
         replies = self._replies
         while replies:
-            await self._send(replies.pop(0))
+            await self._answer(replies.pop(0))
+
+    async def _answer(self, message: Outgoing) -> None:
+        """A protocol answer from the receive loop; a socket gone meanwhile is the carrier leaving."""
+        try:
+            await self._send(message)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise WebSocketDisconnect(CLOSE_NORMAL) from exc
 
     async def _admit(self, start: StreamStart) -> None:
         """The stream is the call's arrival: admit it now (a ticket), or tell the carrier no."""
@@ -289,11 +296,17 @@ class PhoneStream:
             self._refused = True
             refuse = getattr(self.wire, "refuse", None)
             if refuse is not None:
-                await self._send(refuse(refusal.message, refusal.busy))
+                await self._answer(refuse(refusal.message, refusal.busy))
             raise CallEnded(f"refused: {refusal.message}", hang_up=False) from None
         accept = getattr(self.wire, "accept", None)
         if accept is not None:
-            await self._send(accept())
+            try:
+                await self._answer(accept())
+            except WebSocketDisconnect:
+                manager = self.services.manager()  # gone before it heard yes: the slot goes back
+                if manager is not None:
+                    manager.cancel(self.ticket)
+                raise
 
     def _handle(self, event: Any) -> bool:
         """Dispatch one event; True when the stream is over."""
