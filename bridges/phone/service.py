@@ -324,7 +324,10 @@ class PhoneService:
         )
         if call_id and self.registry.is_ended(call_id):
             raise Refused(ENDED_MESSAGE)
-        admission = await self._admit(carrier, facts, dict(start.params), journal)
+        # The platform's values choose the persona (`persona`) and fill its template; the
+        # outbound/resume tokens are our own answers' and cannot come this way.
+        values = {k: v for k, v in start.params.items() if k not in ("outbound", "resume")}
+        admission = await self._admit(carrier, facts, values, journal)
         self.registry.issued(admission.ticket(carrier.name, call_id, Reply("", "text/plain"), facts))
         return admission.ticket_id
 

@@ -302,7 +302,7 @@ class PhoneStream:
         if accept is not None:
             try:
                 await self._answer(accept())
-            except WebSocketDisconnect:
+            except (WebSocketDisconnect, asyncio.CancelledError):
                 manager = self.services.manager()  # gone before it heard yes: the slot goes back
                 if manager is not None:
                     manager.cancel(self.ticket)
