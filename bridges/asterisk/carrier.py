@@ -249,10 +249,9 @@ class AsteriskCarrier:
             log.warning("asterisk: refused a media WebSocket without a valid ticket")
             await ws.close(code=CLOSE_POLICY)  # before accept: the client gets HTTP 403
             return
-        offered = ws.scope.get("subprotocols") or []
-        await ws.accept(subprotocol=media_ws.SUBPROTOCOL if media_ws.SUBPROTOCOL in offered else None)
+        link = await WebSocketLink.accept(ws, media_ws.SUBPROTOCOL)
         base = public_base(self.service.settings, ws)
-        await self._run(WebSocketLink(ws), entry, base, MediaWebSocketWire(entry))
+        await self._run(link, entry, base, MediaWebSocketWire(entry))
 
     async def next_step(self, request: Request) -> Response:
         """`GET /asterisk/calls/{key}/next`: what the dialplan does after our leg (control.py)."""

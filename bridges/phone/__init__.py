@@ -7,7 +7,7 @@ app (one made by `personaplex_voice.server.app.create_app`) one `PhoneService` a
 | ------------------------------------- | -------------------------------------------------------- |
 | the answer webhook                    | `/twilio/voice`, `/telnyx/voice`, `/plivo/answer`, ...   |
 | the status webhook                    | `/twilio/status`, `/plivo/hangup`, `/vonage/event`, ...  |
-| `WS /<carrier>/media-stream/{ticket}` | the call's audio, both ways                              |
+| `WS /<carrier>/media-stream/{ticket}` | the audio both ways (Genesys: `/genesys/audio-connector/*`) |
 | `GET /phone/calls[/{id}[/recording]]` | calls, records, recordings (Bearer); also `/<carrier>/calls` |
 | `GET /calls`                          | the calls page                                           |
 
@@ -46,6 +46,8 @@ CARRIERS: dict[str, str] = {
     "vonage": "personaplex_vonage",
     "exotel": "personaplex_exotel",
     "asterisk": "personaplex_asterisk",
+    "jambonz": "personaplex_jambonz",
+    "genesys": "personaplex_genesys",
 }
 
 

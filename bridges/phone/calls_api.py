@@ -156,7 +156,9 @@ def carrier_router(service: PhoneService, carrier: Carrier) -> APIRouter:
     async def unticketed(ws: WebSocket) -> None:
         await service.unticketed_stream(carrier, ws)
 
-    router.add_api_route(paths.answer, answer, methods=list(paths.answer_methods), include_in_schema=False)
+    if paths.answer:
+        methods = list(paths.answer_methods)
+        router.add_api_route(paths.answer, answer, methods=methods, include_in_schema=False)
     if paths.status:
         router.add_api_route(
             paths.status, status, methods=list(paths.status_methods), include_in_schema=False
@@ -164,7 +166,13 @@ def carrier_router(service: PhoneService, carrier: Carrier) -> APIRouter:
     router.add_api_route(
         f"{prefix}/instructions/{{token}}", instructions, methods=["GET", "POST"], include_in_schema=False
     )
-    router.add_api_websocket_route(paths.media + "/{ticket}", media_stream)
-    router.add_api_websocket_route(paths.media, unticketed)
+    if getattr(carrier, "answers_in_stream", False):
+        # No answer webhook, no ticket: the stream is the call's arrival, admitted at its start,
+        # at the path itself or any below it (the platform appends its own ids).
+        router.add_api_websocket_route(paths.media, media_stream)
+        router.add_api_websocket_route(paths.media + "/{connection:path}", media_stream)
+    else:
+        router.add_api_websocket_route(paths.media + "/{ticket}", media_stream)
+        router.add_api_websocket_route(paths.media, unticketed)
     CallsApi(service).add_call_routes(router, prefix)
     return router

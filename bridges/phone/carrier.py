@@ -32,7 +32,7 @@ CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_ERROR = 1011
 
-CHUNK_MS = 20  # every carrier here takes and sends 20 ms of audio per media message
+CHUNK_MS = 20  # most carriers take and send 20 ms of audio per media message (AudioFormat.message_ms)
 
 
 class ProtocolError(Exception):
@@ -41,6 +41,15 @@ class ProtocolError(Exception):
     def __init__(self, message: str, code: int = CLOSE_POLICY):
         super().__init__(message)
         self.code = code
+
+
+class Refused(Exception):
+    """The call gets no stream: `message` is what the caller is told, `busy` when no slot was free."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.message = message
+        self.busy = busy
 
 
 # --- audio -------------------------------------------------------------------------------------
@@ -55,6 +64,9 @@ class AudioFormat:
     codec: Codec
     rate: int
     big_endian: bool = False  # L16 only: True for RTP payloads (network order)
+    # Outbound: the audio of one of our media messages. Carriers that limit how many messages a
+    # second they take (Genesys) get fewer, longer ones; the pacer paces in these units.
+    message_ms: int = CHUNK_MS
 
     @property
     def bytes_per_sample(self) -> int:
@@ -62,8 +74,12 @@ class AudioFormat:
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes of one 20 ms media message."""
-        return self.rate * CHUNK_MS // 1000 * self.bytes_per_sample
+        """Bytes of one media message (`message_ms` of audio)."""
+        return self.rate * self.message_ms // 1000 * self.bytes_per_sample
+
+    @property
+    def message_s(self) -> float:
+        return self.message_ms / 1000
 
     @property
     def wideband(self) -> bool:
@@ -97,6 +113,9 @@ class StreamStart:
     params: Mapping[str, str] = field(default_factory=dict)
     control_id: str = ""
     account: str = ""
+    # Who calls whom, where the stream itself is the call's arrival (no answer webhook before
+    # it: Genesys Audio Connector); elsewhere the answer webhook told us.
+    facts: CallFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -125,13 +144,31 @@ class StreamStop:
 @dataclass(frozen=True)
 class FlowControl:
     """The carrier asks us to stop sending audio (`paused`) or to go on (Asterisk's
-    `MEDIA_XOFF`/`MEDIA_XON`). The call stays up either way."""
+    `MEDIA_XOFF`/`MEDIA_XON`). The call stays up either way. Not LinePaused: this pauses ours."""
 
     paused: bool
 
 
-StreamEvent = StreamStart | CallerMedia | MarkPlayed | Digit | StreamStop | FlowControl
+@dataclass(frozen=True)
+class LinePaused:
+    """The carrier stopped (`paused`) or restarted sending the caller's audio on purpose (a hold,
+    a secure pause): no caller audio is not an idle line meanwhile. Not FlowControl: this pauses
+    the caller's."""
+
+    paused: bool
+
+
+StreamEvent = StreamStart | CallerMedia | MarkPlayed | Digit | StreamStop | FlowControl | LinePaused
 Outgoing = str | bytes  # a WebSocket text or binary message (or a link's own framing of bytes)
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """How a stream ended, for carriers whose protocol says it to them when we end it (Genesys's
+    `disconnect` carries the outcome to the flow that routes the call next)."""
+
+    reason: str  # the record's end reason ("stop", "action transfer to … (dtmf 0)", …)
+    agent_said: str = ""  # the agent's words in this call (its latest, bounded)
 
 
 class StreamWire(Protocol):
@@ -139,10 +176,21 @@ class StreamWire(Protocol):
     ProtocolError for anything the carrier's protocol does not allow (bounded work per message).
 
     `mark` and `clear` return None where the carrier has no such message (AudioSocket: Asterisk
-    holds nothing of ours, so there is nothing to clear and no mark to echo). A wire whose carrier
-    plays our audio the moment it arrives, with no buffer of its own, says so with a true
-    `plays_on_arrival` attribute: the playout then sends each 20 ms message at its time (one
-    message ahead at most), and a barge-in stops it by no longer sending what it still holds."""
+    holds nothing of ours, so there is nothing to clear and no mark to echo; Genesys has no
+    marks). A wire whose carrier plays our audio the moment it arrives, with no buffer of its
+    own, says so with a true `plays_on_arrival` attribute: the playout then sends each message
+    at its time (one message ahead at most), and a barge-in stops it by no longer sending what
+    it still holds.
+
+    Optional members, for protocols that talk back (the phone call uses them when present):
+
+    - `replies: list[Outgoing]`: messages the protocol owes the carrier after a `parse` (a pong, a
+      `closed`); the stream sends and empties it after each message;
+    - `accept() -> Outgoing` / `refuse(message, busy) -> Outgoing`: where the stream is the call's
+      arrival (`Carrier.answers_in_stream`), what tells the carrier we take it or not;
+    - `farewell(outcome: CallOutcome) -> list[Outgoing]`: what we say when we end the stream;
+      the stream then reads on (a few seconds at most) until the carrier closes its side.
+    """
 
     def parse(self, message: Mapping[str, Any]) -> StreamEvent | None:
         """An ASGI `websocket.receive` message -> the event it carries, or None (acks, keepalives,
@@ -150,7 +198,8 @@ class StreamWire(Protocol):
         ...
 
     def media(self, payload: bytes) -> Outgoing:
-        """Our 20 ms of audio, already in the stream's outbound format."""
+        """One message of our audio (`message_ms`, 20 ms on most carriers), already in the stream's
+        outbound format."""
         ...
 
     def mark(self, name: str) -> Outgoing | None:
@@ -346,6 +395,10 @@ class Carrier(Protocol):
     # True where closing the socket is how the carrier ends a stream (Plivo, Vonage): the call
     # ends as with a stop message. Elsewhere a close without one is a lost socket.
     stream_ends_on_close: bool
+    # Optional (read with getattr): `subprotocol`, the WebSocket subprotocol accepted when the
+    # carrier offers it (jambonz's `audio.jambonz.org`); `answers_in_stream`, True where no
+    # answer webhook comes first: the stream's start is the call's arrival (Genesys), admitted
+    # then, with `paths.answer` empty and any path under `paths.media` taken for the stream.
 
     def check(self) -> None:
         """Refuse to start (UserError) when the settings cannot work (no key to check signatures)."""

@@ -108,7 +108,9 @@ async def _simulate(
 
 @app.command()
 def simulate(
-    carrier: Annotated[str, typer.Option(help="twilio, telnyx, plivo, vonage or exotel")],
+    carrier: Annotated[
+        str, typer.Option(help="twilio, telnyx, plivo, vonage, exotel, asterisk, jambonz or genesys")
+    ],
     url: Annotated[str, typer.Option(help="Where the server is reached, e.g. http://127.0.0.1:8998")],
     wav: Annotated[Path, typer.Option(help="What the caller says (any rate; played at real time)")],
     public_url: Annotated[

@@ -47,10 +47,19 @@ class StreamLink(Protocol):
 
 
 class WebSocketLink:
-    """A Starlette WebSocket, already accepted."""
+    """A Starlette WebSocket, already accepted (`accept` does both: accept, then wrap)."""
 
     def __init__(self, ws: WebSocket):
         self.ws = ws
+
+    @classmethod
+    async def accept(cls, ws: WebSocket, subprotocol: str | None = None) -> WebSocketLink:
+        """Accept the upgrade and wrap it. `subprotocol`: the carrier's own (jambonz's
+        `audio.jambonz.org`, chan_websocket's `media`), chosen when the client offers it; a
+        client that offers none gets a plain WebSocket."""
+        offered = ws.scope.get("subprotocols") or []
+        await ws.accept(subprotocol=subprotocol if subprotocol and subprotocol in offered else None)
+        return cls(ws)
 
     async def receive(self) -> Mapping[str, Any]:
         try:

@@ -38,6 +38,7 @@ class PlaybackClock:
 
     max_queued_s: float = 0.100  # hard limit of what the carrier may hold
     target_s: float = 0.060  # send when the buffer will stay at or under this
+    message_s: float = CHUNK_S  # audio per message (longer where the carrier limits messages)
     play_end: float = 0.0  # when everything sent so far has played out
     started: bool = False
     underruns: int = 0  # messages that arrived after the previous one had finished playing
@@ -48,14 +49,15 @@ class PlaybackClock:
         return max(0.0, self.play_end - now)
 
     def wait_before_send(self, now: float) -> float:
-        """Seconds to wait before one more 20 ms message fits under the target."""
-        return max(0.0, self.queued(now) + CHUNK_S - min(self.target_s, self.max_queued_s))
+        """Seconds to wait before one more message fits under the target."""
+        return max(0.0, self.queued(now) + self.message_s - min(self.target_s, self.max_queued_s))
 
     def needs_prime(self, now: float) -> bool:
         """True when the buffer ran dry: start (again) with a cushion of silence."""
         return not self.started or now >= self.play_end
 
-    def sent(self, now: float, duration_s: float = CHUNK_S) -> None:
+    def sent(self, now: float, duration_s: float | None = None) -> None:
+        duration_s = self.message_s if duration_s is None else duration_s
         if self.started and now > self.play_end + 1e-3:
             self.underruns += 1
         self.started = True

@@ -1,8 +1,9 @@
 """Playout: one stream's agent audio, from the session's frames to paced media messages.
 
 Two tasks per stream: the frame reader takes each 80 ms session frame the moment the engine
-delivers it, converts it to four 20 ms payloads in the stream's outbound format and puts them
-(and a mark after each frame) in a bounded outbox; the pacer sends from the outbox at real time,
+delivers it, converts it to payloads of one message each (20 ms on most carriers, four to a
+frame; `AudioFormat.message_ms`) in the stream's outbound format and puts them (and a mark
+after each frame) in a bounded outbox; the pacer sends from the outbox at real time,
 keeping the carrier's buffer at the playout cushion plus one message (see playback_buffer.py).
 An outbox grown past `max_buffered_ms` (the engine ran ahead) loses its oldest audio: latency
 stays bounded. The messages themselves are the carrier's (its StreamWire formats them).
@@ -64,20 +65,16 @@ class Playout:
         self.messages: StreamWire | None = None  # set by `start_stream`
         self.outbound = OutboundAudio()
         self._silence = silence_chunk(MULAW_8K)
-        self.clock = PlaybackClock(
-            max_queued_s=max_queued_ms / 1000,
-            target_s=(round(playout_cushion_ms / 1000 / CHUNK_S) + 1) * CHUNK_S,
-        )
+        self._limits_ms = (max_queued_ms, playout_cushion_ms, max_buffered_ms)
+        self.clock = PlaybackClock(max_queued_s=max_queued_ms / 1000)
         self.marks = MarkTracker()
         self.jitter = FrameJitter()
-        self._buffer_limit = max(1, round(max_buffered_ms / 1000 / CHUNK_S))
-        # Outbound audio not yet sent: 160-byte payloads, and mark names (str) after each frame.
+        # Outbound audio not yet sent: one message's payloads, and mark names (str) after each frame.
         self._outbox: deque[bytes | str] = deque()  # payloads, and mark names (str)
         self._outbox_ready = asyncio.Event()
         self._frames_done = False
         self._outbox_chunks = 0  # payloads (not marks) in the outbox
-        self._cushion_chunks = round(playout_cushion_ms / 1000 / CHUNK_S)
-        self._max_cushion_chunks = max(self._cushion_chunks, round(max_queued_ms / 1000 / CHUNK_S) - 1)
+        self._pace_in(CHUNK_S)
         self.frames_out = 0
         self.out_dropped = 0
         self.max_send_gap_s = 0.0  # longest wait between two of our media messages
@@ -98,12 +95,29 @@ class Playout:
         self.pauses = 0
         self.paused_s = 0.0
 
+    def _pace_in(self, message_s: float) -> None:
+        """Cushion, target and limits in whole messages of `message_s` (20 ms on most carriers).
+        Messages longer than that get a message of cushion at least, and the carrier may hold
+        two of them whatever MAX_QUEUED_MS says: the next must come before this one has played."""
+        max_queued_ms, cushion_ms, max_buffered_ms = self._limits_ms
+        cushion = round(cushion_ms / 1000 / message_s)
+        if message_s > CHUNK_S:
+            cushion = max(cushion, 1)
+        most = max(round(max_queued_ms / 1000 / message_s), cushion + 1)
+        self.clock.message_s = message_s
+        self.clock.max_queued_s = most * message_s
+        self.clock.target_s = (cushion + 1) * message_s
+        self._cushion_chunks = cushion
+        self._max_cushion_chunks = most - 1
+        self._buffer_limit = max(1, round(max_buffered_ms / 1000 / message_s))
+
     def start_stream(self, messages: StreamWire, fmt: AudioFormat) -> None:
         """The stream has started: its messages and its outbound format (before any frame)."""
         self.messages = messages
         if fmt != self.outbound.format:
             self.outbound = OutboundAudio(fmt)
             self._silence = silence_chunk(fmt)
+            self._pace_in(fmt.message_s)
 
     # --- the carrier's side --------------------------------------------------------------------
     def mark_echoed(self, name: str) -> None:
@@ -184,8 +198,8 @@ class Playout:
         return voiced
 
     async def _pace(self) -> None:
-        """A 20 ms message whenever the carrier's buffer has room under the target, marks as they
-        come. An empty buffer there is first refilled with the cushion."""
+        """A message (20 ms on most carriers) whenever the carrier's buffer has room under the
+        target, marks as they come. An empty buffer there is first refilled with the cushion."""
         while True:
             if self._barge:
                 await self._flush()
@@ -202,7 +216,7 @@ class Playout:
                 voiced = self._take_voiced()
             else:
                 mark = self.messages.mark(item)  # type: ignore[union-attr]
-                if mark is not None:
+                if mark is not None:  # None: the carrier has no marks
                     await self._send(mark)
                     self.marks.add(item, self.clock.sent_s)
                 continue
@@ -211,7 +225,7 @@ class Playout:
                     # The carrier ran dry: this call's engine frames come later than the cushion
                     # covers. Grow it by a message (up to the limit), like a jitter buffer.
                     self._cushion_chunks = min(self._cushion_chunks + 1, self._max_cushion_chunks)
-                    self.clock.target_s = (self._cushion_chunks + 1) * CHUNK_S
+                    self.clock.target_s = (self._cushion_chunks + 1) * self.clock.message_s
                 for _ in range(self._cushion_chunks):
                     await self._send_chunk(self._silence, False)
             await self._send_chunk(item, voiced)
@@ -226,7 +240,7 @@ class Playout:
             return
         await self._send(self.messages.media(chunk))  # type: ignore[union-attr]
         plays_at = max(now, self.clock.play_end)
-        self.clock.sent(now, CHUNK_S)
+        self.clock.sent(now)  # one message of the stream's length (clock.message_s)
         if voiced:
             self._voiced_play_end = self.clock.play_end
         if self._on_sent is not None:
@@ -260,7 +274,7 @@ class Playout:
             "late_frames": self.clock.underruns,
             "max_send_gap_ms": round(self.max_send_gap_s * 1000, 1),
             "outbound_dropped": self.out_dropped,
-            "playout_cushion_ms": round(self._cushion_chunks * CHUNK_S * 1000),
+            "playout_cushion_ms": round(self._cushion_chunks * self.clock.message_s * 1000),
             "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
             "jitter_p99_ms": round(self.jitter.p99_ms(), 2),
             "max_queued_ms_model": round(self.clock.max_seen_queue_s * 1000, 1),
@@ -269,7 +283,7 @@ class Playout:
             "marks_sent": self.marks.sent,
             "marks_acked": self.marks.acked,
             "barge_ins": self.barge_ins,
-            "barge_in_dropped_ms": round(self.barge_dropped * CHUNK_S * 1000),
+            "barge_in_dropped_ms": round(self.barge_dropped * self.clock.message_s * 1000),
             "barge_in_sent_after": self.barge_sent_after,
             "flow_pauses": self.pauses,
             "flow_paused_ms": round(self.paused_s * 1000),

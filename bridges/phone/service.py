@@ -5,8 +5,10 @@ calls on hold) and answers each carrier's webhooks the same way: check the carri
 decide who answers and what the agent knows about this caller (the persona for the number and
 carrier, its prompt template filled with the call's values, context.py), reserve a slot in the
 session manager with that rendered persona, and answer with the carrier's markup for a stream
-whose URL ends with the reservation's ticket. The stream itself is stream.py; the call list,
-records and the calls page are calls_api.py.
+whose URL ends with the reservation's ticket. Where the platform sends no answer webhook (the
+stream itself is the call's arrival: Genesys), the stream's start is admitted the same way
+(`admit_stream`) and its ticket never leaves the server. The stream itself is stream.py; the
+call list, records and the calls page are calls_api.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
@@ -34,7 +37,17 @@ from personaplex_voice.errors import UserError
 from personaplex_voice.session_api import SessionHost
 
 from .audio_path import InboundAudio, OutboundAudio
-from .carrier import CLOSE_POLICY, AudioFormat, CallFacts, Carrier, Reply, StreamWire, Webhook
+from .carrier import (
+    CLOSE_POLICY,
+    AudioFormat,
+    CallFacts,
+    Carrier,
+    Refused,
+    Reply,
+    StreamStart,
+    StreamWire,
+    Webhook,
+)
 from .config import PhoneSettings
 from .context import CALL_FACTS, facts_body, fetch_context, pick_declared
 from .http_out import HttpOut
@@ -107,6 +120,29 @@ class InstructionDocs:
         return found[1]
 
 
+@dataclass(frozen=True)
+class _Admission:
+    """A call admitted: its reservation and who answers it, knowing what."""
+
+    ticket_id: str
+    persona_name: str
+    flow: dict[str, str]  # the flow's own values (they travel with the stream)
+    values: dict[str, str]  # every value the prompt was filled with
+    expires_at: float
+
+    def ticket(self, carrier: str, call_id: str, answer: Reply, facts: CallFacts) -> StreamTicket:
+        return StreamTicket(
+            self.ticket_id,
+            carrier,
+            self.persona_name,
+            call_id,
+            self.expires_at,
+            answer,
+            variables=self.values,
+            facts=facts,
+        )
+
+
 class PhoneService:
     def __init__(self, app: FastAPI, settings: PhoneSettings, book: PersonaBook, records_dir: Path | None):
         self.app = app
@@ -134,7 +170,13 @@ class PhoneService:
         self._check_personas()
         self.parking = Parking(settings.resume_timeout_s, self._give_up)
         self.services = CallServices(
-            settings, lambda: self.manager, self.registry, book, self.outputs, self.parking
+            settings,
+            lambda: self.manager,
+            self.registry,
+            book,
+            self.outputs,
+            self.parking,
+            admit=self.admit_stream,
         )
         # Records of earlier runs (newest first), for the call list; this run's are in the registry.
         self.past: list[dict[str, Any]] = self.store.recent(HISTORY) if recordings else []
@@ -272,15 +314,54 @@ class PhoneService:
             log.warning("%s: call %s is over: its answer webhook gets no stream", carrier.name, call_id)
             return carrier.answer_refusal(ENDED_MESSAGE, busy=False)
         try:
+            admission = await self._admit(carrier, facts, query, journal)
+        except Refused as refusal:
+            return carrier.answer_refusal(refusal.message, busy=refusal.busy)
+        # The ticket is the stream URL's last segment (carriers that sign the upgrade sign over
+        # it). The flow's values travel beside it, so a stream served by another front-end
+        # knows them.
+        reply = carrier.answer_stream(
+            carrier.stream_url(stream_base, admission.ticket_id),
+            {"persona": admission.persona_name, **admission.flow},
+            facts,
+        )
+        self.registry.issued(admission.ticket(carrier.name, call_id, reply, facts))
+        return reply
+
+    async def admit_stream(self, carrier: Carrier, start: StreamStart) -> str:
+        """A stream that is the call's arrival (no answer webhook: Genesys) gets the admission an
+        answer webhook would: the persona for its numbers, its flow's values (the platform's
+        input variables) and the context lookup in the prompt, a reserved slot. Returns the
+        ticket the stream redeems; raises Refused."""
+        facts = start.facts or CallFacts(start.call_id)
+        call_id = facts.call_id
+        journal = self.registry.status(
+            call_id, carrier.name, "stream-open", direction=facts.direction, from_=facts.from_, to=facts.to
+        )
+        if call_id and self.registry.is_ended(call_id):
+            raise Refused(ENDED_MESSAGE)
+        # The platform's values choose the persona (`persona`) and fill its template; the
+        # outbound/resume tokens are our own answers' and cannot come this way.
+        values = {k: v for k, v in start.params.items() if k not in ("outbound", "resume")}
+        admission = await self._admit(carrier, facts, values, journal)
+        self.registry.issued(admission.ticket(carrier.name, call_id, Reply("", "text/plain"), facts))
+        return admission.ticket_id
+
+    async def _admit(
+        self, carrier: Carrier, facts: CallFacts, query: dict[str, str], journal: Any
+    ) -> _Admission:
+        """Who answers this call, knowing what, in a reserved slot; raises Refused."""
+        call_id = facts.call_id
+        try:
             persona_name, spec, overrides = self._persona_for_call(carrier.name, query, facts)
         except PersonaError as exc:
             log.warning("%s: call %s has no usable persona: %s", carrier.name, call_id, exc)
             journal.refused(f"persona: {exc}")
-            return carrier.answer_refusal(UNCONFIGURED_MESSAGE, busy=False)
+            raise Refused(UNCONFIGURED_MESSAGE) from None
         journal.set_persona(persona_name)
         manager = self.manager
         if manager is None or manager.available <= 0:  # full: no context lookup for a busy line
-            return self._busy(carrier, call_id)
+            raise self._busy(carrier.name, call_id)
         flow = pick_declared({k: v for k, v in query.items() if k not in RESERVED_QUERY}, spec.variables)
         values = await self._call_values(spec, facts, flow)
         persona = spec.render({**values, "From": facts.from_, "To": facts.to, "CallSid": call_id})
@@ -295,30 +376,12 @@ class PhoneService:
             ttl_s = self.settings.stream_connect_timeout_s
             ticket = manager.reserve(ttl_s=ttl_s, persona=persona)
         except CapacityError:
-            return self._busy(carrier, call_id)
-        # The ticket is the stream URL's last segment (carriers that sign the upgrade sign over
-        # it). The flow's values travel beside it, so a stream served by another front-end
-        # knows them.
-        reply = carrier.answer_stream(
-            carrier.stream_url(stream_base, ticket.id), {"persona": persona_name, **flow}, facts
-        )
-        self.registry.issued(
-            StreamTicket(
-                ticket.id,
-                carrier.name,
-                persona_name,
-                call_id,
-                time.monotonic() + ttl_s,
-                reply,
-                variables=values,
-                facts=facts,
-            )
-        )
-        return reply
+            raise self._busy(carrier.name, call_id) from None
+        return _Admission(ticket.id, persona_name, flow, values, time.monotonic() + ttl_s)
 
-    def _busy(self, carrier: Carrier, call_id: str) -> Reply:
-        self.registry.status(call_id, carrier.name, "busy").refused("busy")
-        return carrier.answer_refusal(self.settings.busy_message, busy=True)
+    def _busy(self, carrier: str, call_id: str) -> Refused:
+        self.registry.status(call_id, carrier, "busy").refused("busy")
+        return Refused(self.settings.busy_message, busy=True)
 
     def _persona_for_call(
         self, carrier: str, query: dict[str, str], facts: CallFacts
@@ -414,8 +477,9 @@ class PhoneService:
             log.warning("%s: rejected a media stream upgrade with a missing or wrong signature", carrier.name)
             await ws.close(code=CLOSE_POLICY)  # before accept: the client gets HTTP 403
             return
-        await ws.accept()
-        await self.run_stream(carrier, WebSocketLink(ws), ticket, public_base(self.settings, ws))
+        # The carrier's subprotocol when it offers it (jambonz opens with `audio.jambonz.org`).
+        link = await WebSocketLink.accept(ws, getattr(carrier, "subprotocol", None))
+        await self.run_stream(carrier, link, ticket, public_base(self.settings, ws))
 
     async def run_stream(
         self,
@@ -426,8 +490,9 @@ class PhoneService:
         wire: StreamWire | None = None,
     ) -> PhoneStream:
         """One media stream of `carrier` on an accepted link, presenting `ticket` (a reservation
-        of our answer, or a resume token), to its end. `wire`: the stream's own, when the carrier
-        builds it with what it already knows of the call (else `carrier.new_wire()`)."""
+        of our answer, or a resume token; empty where the stream is the call's arrival and is
+        admitted at its start: `admit_stream`), to its end. `wire`: the stream's own, when the
+        carrier builds it with what it already knows of the call (else `carrier.new_wire()`)."""
         stream = PhoneStream(link, ticket, self.services, carrier, base, wire)
         await stream.run()
         return stream

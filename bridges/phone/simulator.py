@@ -10,7 +10,10 @@ buffer (what it dropped is measured) and is answered as the carrier answers it.
 
 Each carrier's own side (signing, markup, messages) is its `sim.py` (`CarrierSide`), pure data
 like the rest of the carrier; this module does the I/O (aiohttp). `personaplex-voice phone
-simulate` and the tests use it.
+simulate` and the tests use it. Optional side members: `subprotocols` (offered on the upgrade:
+jambonz), `offer(…)` (platforms without an answer webhook, which open the stream themselves:
+Genesys) and `respond(offer, stream_id, ours)` (what the carrier says back to one of our other
+messages: Genesys's `close` after our `disconnect`).
 
     side = load_side("plivo", auth_id="MA…", auth_token="…")
     sim = PhoneSimulator(side, "http://127.0.0.1:8998")
@@ -266,11 +269,18 @@ class SimulatedStream:
                     await self._on_clear()
                 else:
                     self.others.append(ours)
+                    await self._respond(ours)
         finally:
             self.close_code = self.ws.close_code
             self.closed.set()
 
     # --- results ---------------------------------------------------------------------------------
+    async def _respond(self, ours: Ours) -> None:
+        respond = getattr(self.side, "respond", None)
+        if respond is not None:
+            for message in respond(self.offer, self.stream_id, ours):
+                await self.send(message)
+
     @property
     def late_messages(self) -> int:
         return sum(p.late for p in self.played)
@@ -335,6 +345,9 @@ class PhoneSimulator:
 
     async def answer(self, call_id: str | None = None, **kwargs: Any) -> StreamOffer:
         """An incoming call: the signed answer webhook, and the stream it was answered with."""
+        offer = getattr(self.side, "offer", None)
+        if offer is not None:  # no answer webhook: the platform opens the stream itself
+            return offer(self.public_url, call_id or self.new_call_id(), **kwargs)
         call_id, status, body = await self.webhook(call_id, **kwargs)
         offer = self.side.parse_answer(call_id, status, body)
         if offer is None:
@@ -357,7 +370,10 @@ class PhoneSimulator:
             url = _ws(self.base_url) + url[len(target) :]
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10))
         try:
-            ws = await session.ws_connect(url, headers=headers, autoping=True, max_msg_size=0)
+            protocols = tuple(getattr(self.side, "subprotocols", ()))
+            ws = await session.ws_connect(
+                url, headers=headers, autoping=True, max_msg_size=0, protocols=protocols
+            )
             call = SimulatedStream(self.side, offer, ws)
             receiver = asyncio.create_task(call.receive_loop())
             try:

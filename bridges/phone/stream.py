@@ -11,12 +11,21 @@ API), never on the audio path.
 Whatever ends the stream (the carrier's stop, a limit, the session ending on the server, a DTMF
 hang-up digit, an action) goes through `_finish`: close the session (or park it, for a `play`
 that resumes), clear the carrier's buffer of ours, give the call its last instructions via REST
-when it is still up (hang up, a goodbye, an apology when the engine was lost), close the socket,
+when it is still up (hang up, a goodbye, an apology when the engine was lost), say the wire's
+farewell where its protocol has one (then let the carrier close its side), close the socket,
 finish the call.
 
 Barge-in (where the carrier or PERSONAPLEX_PHONE_BARGE_IN turns it on): each caller message
 also goes to the barge-in detector (barge_in.py); a talk spurt that starts while the agent can
-still be heard makes the playout drop what it holds.
+still be heard makes the playout drop what it holds. Two different pauses: `FlowControl` (the
+carrier asks us to hold OUR audio: Asterisk's MEDIA_XOFF) pauses the playout; `LinePaused` (the
+carrier stopped the CALLER's audio on purpose: a hold) suspends the idle limit.
+
+Where no answer webhook comes first (`Carrier.answers_in_stream`: Genesys), the stream's start
+is the call's arrival: it is admitted then (`CallServices.admit`: persona, context, a ticket)
+and the wire tells the carrier yes or no (`accept` / `refuse`). Wires whose protocol answers
+messages (a pong) leave them in `wire.replies`, sent after each message. All of it goes over the
+stream's link (link.py), never a socket of its own.
 
 Anything malformed closes this call's socket and frees its slot; nothing here can block another
 call (every wait is bounded, every queue is bounded).
@@ -30,7 +39,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,17 +58,20 @@ from .carrier import (
     CLOSE_TOO_BIG,
     CallerMedia,
     CallHandle,
+    CallOutcome,
     Carrier,
     Dial,
     Digit,
     FlowControl,
     Hangup,
+    LinePaused,
     MarkPlayed,
     Outcome,
     Outgoing,
     Play,
     ProtocolError,
     Redirect,
+    Refused,
     Resume,
     Say,
     Step,
@@ -75,6 +87,9 @@ from .playout import Playout, SendFailed
 from .registry import CallRegistry
 
 log = logging.getLogger(__name__)
+
+FAREWELL_WAIT_S = 5.0  # after our farewell, how long the carrier may take to close its side
+AGENT_SAID_CHARS = 2000  # of the agent's words, what a farewell may carry (the latest)
 
 
 class CallEnded(Exception):
@@ -112,6 +127,9 @@ class CallServices:
     book: PersonaBook
     outputs: CallOutputs
     parking: Parking
+    # Streams that are the call's arrival (no answer webhook): admit the call at its start and
+    # return its ticket, or raise Refused.
+    admit: Callable[[Carrier, StreamStart], Awaitable[str]] | None = None
 
 
 def level_db(pcm: np.ndarray | None) -> float:
@@ -191,6 +209,9 @@ class PhoneStream:
         self._actions: set[asyncio.Task[None]] = set()
         self._park_token: str | None = None  # set by a `play … then: resume` that went through
         self._live_key = ""
+        self._replies: list[Outgoing] | None = getattr(self.wire, "replies", None)
+        self._line_paused = False  # the carrier said it stopped sending the caller's audio
+        self._refused = False  # an in-stream admission said no (the wire told the carrier)
 
     @property
     def record(self) -> Any:
@@ -248,7 +269,7 @@ class PhoneStream:
                 goodbye = self.call.spec.goodbye if self.call is not None else None
                 self._end("max duration", hang_up=True, steps=[Say(goodbye), Hangup()] if goodbye else None)
                 return
-            if now - self.caller.last_media >= idle_limit:
+            if not self._line_paused and now - self.caller.last_media >= idle_limit:
                 self._end("idle timeout" if self._started else "no start message", hang_up=True)
                 return
             await asyncio.sleep(min(0.5, idle_limit / 4))
@@ -266,8 +287,49 @@ class PhoneStream:
             if size > limit:
                 raise ProtocolError(f"message of {size} bytes exceeds {limit}", CLOSE_TOO_BIG)
             event = self.wire.parse(raw)
-            if event is not None and self._handle(event):
+            if self._replies:
+                await self._send_replies()
+            if event is None:
+                continue
+            if isinstance(event, StreamStart) and not self.ticket and not self._started:
+                await self._admit(event)
+            if self._handle(event):
                 return
+
+    async def _send_replies(self) -> None:
+        replies = self._replies
+        while replies:
+            await self._answer(replies.pop(0))
+
+    async def _answer(self, message: Outgoing) -> None:
+        """A protocol answer from the receive loop; a socket gone meanwhile is the carrier leaving."""
+        try:
+            await self._send(message)
+        except (LinkClosed, RuntimeError, OSError) as exc:
+            raise LinkClosed(CLOSE_NORMAL) from exc
+
+    async def _admit(self, start: StreamStart) -> None:
+        """The stream is the call's arrival: admit it now (a ticket), or tell the carrier no."""
+        admit = self.services.admit
+        if admit is None or not getattr(self.carrier, "answers_in_stream", False):
+            raise ProtocolError("a stream without its ticket")
+        try:
+            self.ticket = await admit(self.carrier, start)
+        except Refused as refusal:
+            self._refused = True
+            refuse = getattr(self.wire, "refuse", None)
+            if refuse is not None:
+                await self._answer(refuse(refusal.message, refusal.busy))
+            raise CallEnded(f"refused: {refusal.message}", hang_up=False) from None
+        accept = getattr(self.wire, "accept", None)
+        if accept is not None:
+            try:
+                await self._answer(accept())
+            except (LinkClosed, asyncio.CancelledError):
+                manager = self.services.manager()  # gone before it heard yes: the slot goes back
+                if manager is not None:
+                    manager.cancel(self.ticket)
+                raise
 
     def _handle(self, event: Any) -> bool:
         """Dispatch one event; True when the stream is over."""
@@ -285,8 +347,18 @@ class PhoneStream:
         elif isinstance(event, Digit):
             self._on_dtmf(event.digit)
         elif isinstance(event, FlowControl):
-            self.playout.pause(event.paused)
+            self.playout.pause(event.paused)  # ours: the carrier asks us to hold off sending
+        elif isinstance(event, LinePaused):
+            self._on_pause(event.paused)  # the caller's: on hold, the idle limit waits
         return False
+
+    def _on_pause(self, paused: bool) -> None:
+        if paused == self._line_paused:
+            return
+        self._line_paused = paused
+        self.caller.last_media = time.monotonic()  # the idle limit counts again from the resume
+        log.info("%s %s: the line is %s", self.name, self.stream_sid, "paused" if paused else "resumed")
+        self.services.registry.status(self.call_sid, self.name, "paused" if paused else "resumed")
 
     def _on_start(self, start: StreamStart) -> None:
         if self._started:
@@ -493,7 +565,7 @@ class PhoneStream:
                 clear = self.wire.clear()
                 if clear is not None:
                     await self._send(clear)
-                self.playout.cleared()
+                    self.playout.cleared()
         control = self.carrier.control
         if self.call_sid and steps:
             outcome: Outcome = await control.instruct(self.handle, steps)
@@ -501,6 +573,8 @@ class PhoneStream:
                 await control.hang_up(self.handle)
         elif hang_up and self.call_sid:
             await control.hang_up(self.handle)
+        if connected:
+            await self._farewell(reason)
         self.services.registry.live.pop(self._live_key, None)
         metrics = self.metrics()
         if call is not None:  # before the socket closes: whoever saw the call end finds its record
@@ -518,6 +592,41 @@ class PhoneStream:
             reason,
             json.dumps(metrics, default=str),
         )
+
+    async def _farewell(self, reason: str) -> None:
+        """The wire's last words, where its protocol has them (Genesys's `disconnect`), then what
+        the carrier says until it closes its side (its `close`, answered), a few seconds at most."""
+        farewell = getattr(self.wire, "farewell", None)
+        if farewell is None or not (self._started or self._refused):
+            return
+        with contextlib.suppress(Exception):
+            messages = farewell(CallOutcome(reason, self._agent_said())) if self._started else []
+            for message in messages:
+                await self._send(message)
+            if messages or self._refused:
+                await asyncio.wait_for(self._until_carrier_closes(), FAREWELL_WAIT_S)
+
+    async def _until_carrier_closes(self) -> None:
+        limit = self.settings.max_message_bytes
+        while True:
+            try:
+                raw = await self.link.receive()
+            except LinkClosed:
+                return
+            if len(raw.get("text") or raw.get("bytes") or b"") > limit:
+                return
+            event = self.wire.parse(raw)
+            if self._replies:
+                await self._send_replies()
+            if isinstance(event, StreamStop):
+                return
+
+    def _agent_said(self) -> str:
+        record = self.record
+        if record is None:
+            return ""
+        pieces = [str(p.get("text", "")) for p in record.transcript[-1000:]]
+        return " ".join("".join(pieces).split())[-AGENT_SAID_CHARS:]
 
     # --- what the call list and the calls page show ----------------------------------------
     def metrics(self) -> dict[str, Any]:

@@ -1,0 +1,150 @@
+"""jambonz's side of a call, for `personaplex_phone.simulator` (`phone simulate`, the tests).
+
+The calling webhook is a JSON POST (snake_case call attributes) signed `Jambonz-Signature:
+t=…,v1=…` with the account's webhook secret; our `listen` verb names the WebSocket, opened with
+the `audio.jambonz.org` subprotocol and no signature (its ticket is in the URL); the first text
+frame is the call's attributes in camelCase with `sampleRate`, `mixType` and the verb's
+`metadata` merged in; then binary L16 little-endian at `sampleRate`, keys as `{"event": "dtmf"}`,
+our marks answered `{"type": "mark", "data": {"name": …, "event": "playout"}}` once played. The
+caller hangs up by closing the socket; when the listen has ended, jambonz POSTs its
+`actionHook` (`action_request`) and runs the verbs it gets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any
+
+from personaplex_phone.carrier import AudioFormat
+from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
+
+from . import signatures
+from .wire import METADATA_KEY, SUBPROTOCOL
+
+ACCOUNT_SID = "9d9f5f77-0000-4000-8000-0000000000a1"
+APPLICATION_SID = "9d9f5f77-0000-4000-8000-0000000000b2"
+
+
+class JambonzSide:
+    name = "jambonz"
+    chunk_ms = 20
+    marks_on_clear = False  # jambonz reports a killed mark as `"event": "cleared"`, never played
+    ends_by_close = True
+    subprotocols = (SUBPROTOCOL,)
+
+    def __init__(self, webhook_secret: str):
+        self.secret = webhook_secret
+        self._calls: dict[str, dict[str, str]] = {}  # call id -> its numbers, for the first frame
+
+    @staticmethod
+    def new_call_id() -> str:
+        return str(uuid.uuid4())
+
+    def _signed(self, path: str, payload: dict[str, Any]) -> HttpRequest:
+        body = json.dumps(payload).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "Jambonz-Signature": signatures.sign(self.secret, body),
+        }
+        return HttpRequest("POST", path, headers, body)
+
+    def _call(self, call_id: str, status: str) -> dict[str, Any]:
+        numbers = self._calls.get(call_id, {"from": "", "to": ""})
+        return {
+            "call_sid": call_id,
+            "direction": "inbound",
+            "from": numbers["from"],
+            "to": numbers["to"],
+            "call_id": f"{call_id}@sip.example.test",
+            "sip_status": 200 if status == "in-progress" else 100,
+            "call_status": status,
+            "account_sid": ACCOUNT_SID,
+            "application_sid": APPLICATION_SID,
+            "originating_sip_ip": "192.0.2.10",
+        }
+
+    def answer_request(
+        self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
+    ) -> HttpRequest:
+        self._calls[call_id] = {"from": from_, "to": to}
+        return self._signed("/jambonz/call" + (f"?{query}" if query else ""), self._call(call_id, "trying"))
+
+    def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
+        if status != 200:
+            return None
+        verbs = json.loads(body)
+        listen = next((v for v in verbs if v.get("verb") == "listen"), None)
+        if listen is None:
+            return None
+        if listen["bidirectionalAudio"]["sampleRate"] != listen["sampleRate"]:
+            raise AssertionError("the listen verb sends and takes audio at two rates")
+        fmt = AudioFormat("l16", int(listen["sampleRate"]), big_endian=False)
+        params = {k: str(v) for k, v in (listen.get("metadata") or {}).get(METADATA_KEY, {}).items()}
+        return StreamOffer(call_id, listen["url"], params, fmt, fmt)
+
+    def upgrade(self, offer: StreamOffer, public_url: str) -> tuple[str, dict[str, str]]:
+        return offer.url, {}
+
+    def opening(self, offer: StreamOffer, stream_id: str) -> list[str | bytes]:
+        numbers = self._calls.get(offer.call_id, {"from": "", "to": ""})
+        facts = {
+            "callSid": offer.call_id,
+            "direction": "inbound",
+            "from": numbers["from"],
+            "to": numbers["to"],
+            "callId": f"{offer.call_id}@sip.example.test",
+            "sipStatus": 200,
+            "callStatus": "in-progress",
+            "accountSid": ACCOUNT_SID,
+            "applicationSid": APPLICATION_SID,
+            "sampleRate": offer.inbound.rate,
+            "mixType": "mono",
+            METADATA_KEY: dict(offer.params),
+        }
+        return [json.dumps(facts)]
+
+    def media(self, offer: StreamOffer, stream_id: str, payload: bytes, chunk: int, ms: int) -> bytes:
+        return payload
+
+    def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
+        return json.dumps({"event": "dtmf", "dtmf": digit, "duration": 1280})
+
+    def stop(self, offer: StreamOffer, stream_id: str) -> None:
+        return None
+
+    def read(self, message: str | bytes) -> Ours:
+        if isinstance(message, bytes):
+            return Ours("media", message)
+        data = json.loads(message)
+        kind = data.get("type")
+        if kind == "mark":
+            return Ours("mark", name=str((data.get("data") or {}).get("name")))
+        if kind == "killAudio":
+            return Ours("clear")
+        return Ours("other", message.encode(), name=str(kind))
+
+    def mark_played(self, offer: StreamOffer, stream_id: str, name: str) -> str:
+        return json.dumps({"type": "mark", "data": {"name": name, "event": "playout"}})
+
+    def cleared(self, offer: StreamOffer, stream_id: str) -> None:
+        return None
+
+    def status_request(self, public_url: str, call_id: str, status: str) -> HttpRequest:
+        return self._signed("/jambonz/status", self._call(call_id, status))
+
+    def action_request(self, public_url: str, call_id: str) -> HttpRequest:
+        """The listen verb's actionHook, as jambonz POSTs it once the listen has ended."""
+        return self._signed(
+            "/jambonz/action", {**self._call(call_id, "in-progress"), "listen_status": "ended"}
+        )
+
+
+def side(webhook_secret: str | None = None) -> JambonzSide:
+    secret = webhook_secret or os.environ.get("JAMBONZ_WEBHOOK_SECRET", "")
+    if not secret:
+        raise ValueError(
+            "the jambonz simulator signs like jambonz: set JAMBONZ_WEBHOOK_SECRET (the server's)"
+        )
+    return JambonzSide(secret)
