@@ -92,8 +92,12 @@ class WidebandCodec:
 class PhoneCodec:
     """A phone line: the caller's phone encodes its audio in the carrier's inbound format; the
     phone call's `InboundAudio` turns it into the engine's 24 kHz and its `OutboundAudio` turns
-    the agent into the carrier's 20 ms payloads in the outbound format, which the caller's phone
-    decodes. The same code a call runs, in the same formats."""
+    the agent into the carrier's payloads in the outbound format, which the caller's phone
+    decodes. The same code a call runs, in the same formats.
+
+    The line's rate is the caller's (inbound) one. Where the carrier takes our audio at another
+    rate (Telnyx: L16 16 kHz out, the caller on a PCMU 8 kHz leg), the caller still hears it at
+    the line's rate: what crosses the line, recordings and measures all share one rate."""
 
     def __init__(self, inbound: phone.AudioFormat, outbound: phone.AudioFormat) -> None:
         self._phone_mic = BlockResampler(SAMPLE_RATE, inbound.rate) if inbound.rate != SAMPLE_RATE else None
@@ -102,7 +106,8 @@ class PhoneCodec:
         self._inbound = phone.InboundAudio(inbound)
         self._outbound = phone.OutboundAudio(outbound)
         self._to_engine = Reframer(FRAME_SIZE)
-        self._heard = Reframer(FRAME_SIZE * outbound.rate // SAMPLE_RATE)
+        self._to_line = BlockResampler(outbound.rate, inbound.rate) if outbound.rate != inbound.rate else None
+        self._heard = Reframer(FRAME_SIZE * inbound.rate // SAMPLE_RATE)
 
     def uplink(self, caller: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pcm = np.asarray(caller, np.float32)
@@ -112,7 +117,10 @@ class PhoneCodec:
 
     def downlink(self, agent: np.ndarray) -> np.ndarray:
         payloads = self._outbound.convert(np.asarray(agent, np.float32))
-        return self._heard.take(self._ear_codec.decode(b"".join(payloads)))
+        heard = self._ear_codec.decode(b"".join(payloads))
+        if self._to_line is not None:
+            heard = self._to_line.process(heard)
+        return self._heard.take(heard)
 
 
 class BrowserCodec:
