@@ -78,7 +78,7 @@ def test_cpu_per_message_is_capped_whatever_the_audio_budget_allows():
     budget.begin_message()
     for _ in range(DecodeBudget.CPU_CHECK_EVERY - 1):
         budget.charge_packet(480)
-    cpu.now = 0.006  # over the 5 ms a message may cost
+    cpu.now = 0.021  # over the 20 ms a message may cost
     with pytest.raises(DecodeBudgetExceeded, match="ms for one message") as caught:
         budget.charge_packet(480)
     assert caught.value.reason == "decode_cost"

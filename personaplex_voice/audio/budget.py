@@ -81,7 +81,7 @@ class DecodeLimits:
     min_packet_s: float = 0.0025  # the least a packet is charged: the shortest Opus frame
     min_page_s: float = 0.001  # what examining one Ogg page is charged, on top of its packets
     damage_s: float = 0.120  # a rejected packet or a skipped page: the longest Opus packet
-    message_cpu_s: float = 0.005  # CPU one message may cost
+    message_cpu_s: float = 0.020  # CPU one message may cost
     cpu_share: float = 0.02  # CPU per wall second over time (a fraction of one core)
     cpu_burst_s: float = 0.050  # CPU that may be spent at once
 
