@@ -172,7 +172,8 @@ def test_sigterm_drains_new_sessions_refused_running_ones_finish(cluster, ray_se
         )
         ray_serve.process.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.5)
-        ready = [httpx.get(ray_serve.url + "/readyz") for _ in range(4)]
+        # off this loop, which streams the running call
+        ready = [await asyncio.to_thread(httpx.get, ray_serve.url + "/readyz") for _ in range(4)]
         refused = await chat(chat_url(ray_serve, 1), audio[:SR])
         result = await running
         code = await asyncio.to_thread(ray_serve.process.wait, 60)
