@@ -171,6 +171,7 @@ class SessionMetrics:
     dropped_output_frames: Counter
     dropped_input_samples: Counter
     jitter_dropped_frames: Counter
+    catchup_frames: Counter
     sessions_opened: Counter
     sessions_rejected: Counter
     sessions_closed: Counter
@@ -213,6 +214,10 @@ class SessionMetrics:
             jitter_dropped_frames=Counter(
                 "jitter_dropped_frames_total",
                 "Spare input frames the realtime jitter buffer dropped to bring latency back down",
+            ),
+            catchup_frames=Counter(
+                "catchup_frames_total",
+                "Start-burst input frames consumed by extra engine steps between ticks",
             ),
             sessions_opened=Counter("sessions_opened_total", "Sessions admitted or queued"),
             sessions_rejected=Counter(

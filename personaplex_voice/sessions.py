@@ -43,6 +43,7 @@ from personaplex_voice.engine.base import (
 )
 from personaplex_voice.engine.persona_cache import PersonaCache
 from personaplex_voice.engine.scheduler import FRAME_SECONDS, Scheduler, SlotState, SpareTrimmer
+from personaplex_voice.engine.start_burst import StartBurst
 from personaplex_voice.metrics import SessionMetrics
 
 
@@ -143,8 +144,13 @@ class Session:
             "dropped_input_samples": 0,
             "jitter_dropped_frames": 0,
             "dropped_pre_ready_samples": 0,
+            "catchup_frames": 0,
         }
         self._spare = SpareTrimmer()  # realtime jitter buffer policy (inference thread only)
+        # issue 16: input kept from before the session ran (or flushed by the client right after
+        # its handshake) is a start burst, exempt from the jitter buffer and consumed by catch-up
+        # steps (engine/start_burst.py; inference thread only).
+        self._burst = StartBurst(manager.start_burst_frames, window_ticks=manager.start_burst_frames)
         self._prefill_s: float | None = None
         self._cache_hit: bool | None = None
         self._queue_wait_s: float | None = None
@@ -201,23 +207,23 @@ class Session:
     def push(self, pcm: np.ndarray) -> None:
         """Queue user audio: float32 mono 24 kHz in [-1, 1], any length. Never blocks.
 
-        Audio pushed after the session ended is ignored. In realtime mode audio pushed before
-        the session is ready is dropped (counted): the conversation has not started yet.
+        Audio pushed after the session ended is ignored. Audio pushed before the session is
+        ready (queued, prefilling) is kept, in order, up to the input bound (`max_input_s`): the
+        caller's first words. Beyond the bound the oldest samples go (counted, before the
+        session runs also in `dropped_pre_ready_samples`).
         Raises ValueError for audio that is not float, not 1-D or not finite.
         """
         x = pushed_samples(pcm)
         if self._state is SlotState.CLOSED or self._input_ended:
             return
         manager = self._manager
-        if manager.realtime and self._state is not SlotState.RUNNING:
-            with self._lock:
-                self._counts["dropped_pre_ready_samples"] += x.size
-            return
         with self._lock:  # the buffer copies: the caller may reuse its array
             dropped = self._input.push(x)
             self._last_input = time.monotonic()
             if dropped:
                 self._counts["dropped_input_samples"] += dropped
+                if self._state is not SlotState.RUNNING:
+                    self._counts["dropped_pre_ready_samples"] += dropped
         if dropped:
             manager.metrics.dropped_input_samples.inc(dropped)
         manager._scheduler.input_arrived()
@@ -310,14 +316,31 @@ class Session:
     def _trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
         """Realtime jitter buffer, run by each tick after it took (or missed) this session's
         frame: drops the spare whole frames `SpareTrimmer` gives up, oldest first, so a
-        client's frame phase is kept. Returns the frames dropped."""
+        client's frame phase is kept. Spare frames of a start burst are exempt (`StartBurst`:
+        catch-up steps take them). Returns the frames dropped."""
         with self._lock:
-            drop = self._spare.frames_to_drop(len(self._input) // FRAME_SIZE, slack_frames, settle_ticks)
+            spare = len(self._input) // FRAME_SIZE
+            spare -= self._burst.after_tick(spare)  # issue 16: the start burst is not trimmed
+            drop = self._spare.frames_to_drop(spare, slack_frames, settle_ticks)
             if drop:
                 self._input.drop_oldest(drop * FRAME_SIZE)
                 self._counts["jitter_dropped_frames"] += drop
                 self._counts["dropped_input_samples"] += drop * FRAME_SIZE
             return drop
+
+    # issue 16: catch-up steps for a start burst (scheduler.Scheduler._catch_up)
+    def _catchup_due(self) -> bool:
+        return self._burst.owed > 0
+
+    def _take_catchup_frame(self) -> np.ndarray | None:
+        """The next input frame for an extra step, while the start burst is owed one."""
+        with self._lock:
+            if len(self._input) < FRAME_SIZE or not self._burst.take():
+                return None
+            frame = self._input.pop()
+            self._counts["frames_in"] += 1
+            self._counts["catchup_frames"] += 1
+            return frame
 
     def _output_backlog(self) -> int:
         return len(self._out)
@@ -370,6 +393,9 @@ class SessionManager:
         is dropped, bringing the latency back to under one frame (None: never).
       max_input_s: bound of each session's input backlog (default 1 s realtime, 600 s otherwise);
         overflow drops the oldest samples.
+      start_burst_s: realtime; input a session holds at its start beyond real time (audio kept
+        from before it ran, a client's queue flushed after its handshake) that the jitter buffer
+        leaves alone and catch-up steps consume (default: `max_input_s`; 0 = none).
       output_frames: bound of each session's output queue; a slow consumer loses its oldest.
       lossless: wait for room in every output queue instead of dropping (default: not realtime).
       retry_after_s: the hint given with CapacityError.
@@ -389,6 +415,7 @@ class SessionManager:
         input_slack_s: float = 0.16,
         input_settle_s: float | None = 1.0,
         max_input_s: float | None = None,
+        start_burst_s: float | None = None,
         output_frames: int = 64,
         lossless: bool | None = None,
         retry_after_s: float = 5.0,
@@ -412,6 +439,8 @@ class SessionManager:
         if max_input_s is None:
             max_input_s = 1.0 if realtime else 600.0
         self.max_input_samples = max(FRAME_SIZE, round(max_input_s * SAMPLE_RATE))
+        burst_s = max_input_s if start_burst_s is None else min(start_burst_s, max_input_s)
+        self.start_burst_frames = int(burst_s * SAMPLE_RATE) // FRAME_SIZE if realtime else 0
         self.output_frames = output_frames
         self.lossless = (not realtime) if lossless is None else lossless
         self.retry_after_s = retry_after_s

@@ -18,7 +18,9 @@ Two clocks:
   session is ready but not stepped, so a client that starts listening late loses nothing). A
   streaming slot whose next input frame is missing at the tick (after a short bounded wait) gets
   a frame of silence, counted as late; whole frames queued beyond what the ticks need are trimmed
-  (`SpareTrimmer`), so lateness never adds lasting latency.
+  (`SpareTrimmer`), so lateness never adds lasting latency. A session's start burst (input kept
+  from before it ran; `start_burst.StartBurst`) is not trimmed but consumed by extra catch-up
+  steps between ticks, when they fit.
 - non-realtime: a tick runs as soon as every running slot has a full frame buffered (or has
   ended its input) and, lossless, room for its output.
 
@@ -109,6 +111,12 @@ class SlotClient(Protocol):
 
     def _trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
         """The realtime jitter buffer after a tick (see `SpareTrimmer`); frames dropped."""
+
+    def _catchup_due(self) -> bool:
+        """Frames of a start burst are owed a catch-up step (see `start_burst.StartBurst`)."""
+
+    def _take_catchup_frame(self) -> np.ndarray | None:
+        """The next input frame for a catch-up step, or None when none is owed."""
 
     def _output_backlog(self) -> int:
         """Output frames not yet taken by the consumer."""
@@ -406,6 +414,7 @@ class Scheduler:
         before `deadline`, end sessions past their limits."""
         self._apply_ops()
         self._run_prefills(deadline)
+        self._catch_up(deadline)
         self._enforce_limits()
         if self._housekeeping is not None:
             self._housekeeping()
@@ -603,6 +612,10 @@ class Scheduler:
         if trimmed:
             self.metrics.jitter_dropped_frames.inc(trimmed)
             self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
+        self._step_and_deliver(running, pcm)
+
+    def _step_and_deliver(self, running: list[SlotClient], pcm: np.ndarray) -> None:
+        """One batched `engine.step` of `running` on `pcm`, each output frame to its client."""
         t0 = time.perf_counter()
         results = self._step_isolating(running, pcm, first=True)
         step_s = time.perf_counter() - t0
@@ -619,6 +632,39 @@ class Scheduler:
         if dropped:
             self.metrics.dropped_output_frames.inc(dropped)
         self._enforce_limits()
+
+    # ---- catch-up steps (issue 16) ------------------------------------------------------------
+
+    def _catch_up(self, deadline: float | None) -> None:
+        """Realtime: extra steps, between ticks, for sessions holding a start burst (input kept
+        from before they ran, or a client's queue flushed after its handshake; see
+        `start_burst.StartBurst`), while one more step fits before the next tick by the slowest
+        recent step. Every session owed a frame goes in the same step, so a catch-up step costs
+        one batched step whatever the number of sessions. When none fits (an engine whose steps
+        fill the frame period), the burst stays queued: latency, never a lost word."""
+        if not self.realtime or deadline is None:
+            return
+        while not self.stopping and self._step_fits(deadline):
+            with self.cond:
+                due = [c for c in self._running() if c._catchup_due()]
+            pcm = self._pcm_in
+            pcm.fill(0.0)
+            stepped = []
+            for client in due:
+                frame = client._take_catchup_frame()
+                if frame is not None:
+                    pcm[client.slot] = frame
+                    stepped.append(client)
+            if not stepped:
+                return
+            self.metrics.catchup_frames.inc(len(stepped))
+            self._step_and_deliver(stepped, pcm)
+
+    def _step_fits(self, deadline: float) -> bool:
+        """One more engine step, as slow as the slowest of the last 2 s, ends before `deadline`
+        with a tenth of the frame period to spare (the margin `late_wait` keeps too)."""
+        slowest = max(self.recent_steps, default=0.0)
+        return time.monotonic() + slowest < deadline - 0.1 * self.frame_period_s
 
     def _step_isolating(
         self, clients: list[SlotClient], pcm: np.ndarray, first: bool = False
