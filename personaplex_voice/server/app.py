@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from personaplex_voice.server import access, info, metrics, runtime
-from personaplex_voice.server.chat import chat_endpoint
+from personaplex_voice.server.chat import chat_endpoint, why_refused
 from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.engine_loader import load_engine, warm_engine
 from personaplex_voice.server.prompts import PromptStore
@@ -83,6 +83,7 @@ def create_app(
         app.state.registry.register(worker_series())
 
     app.add_api_websocket_route("/api/chat", chat_endpoint)
+    app.add_api_route("/api/chat", why_refused, methods=["GET"])  # why an upgrade was refused
     app.add_api_route("/api/prompts", _store_prompt, methods=["POST"])
     app.add_api_route("/api/voices", _voices, methods=["GET"])
     app.add_api_route("/healthz", _healthz, methods=["GET"])

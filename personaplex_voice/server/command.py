@@ -30,7 +30,11 @@ from personaplex_voice.cli_options import (
 )
 from personaplex_voice.errors import UserError
 from personaplex_voice.server.config import ServerSettings
-from personaplex_voice.server.http_guard import ClientMistakesAreWarnings, protocol_classes
+from personaplex_voice.server.http_guard import (
+    AppLogsItsRefusals,
+    ClientMistakesAreWarnings,
+    protocol_classes,
+)
 
 
 def serve(
@@ -237,6 +241,7 @@ def configure_logging(settings: ServerSettings, fmt: str = LOG_FORMAT) -> None:
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(RedactTokens())
     logging.getLogger("uvicorn.error").addFilter(ClientMistakesAreWarnings())
+    logging.getLogger("uvicorn.error").addFilter(AppLogsItsRefusals())  # /api/chat logs its own
 
 
 def uvicorn_config(settings: ServerSettings, app: object):

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 log = logging.getLogger("personaplex_voice.server.http")
 
-__all__ = ["ClientMistakesAreWarnings", "HttpLimits", "protocol_classes"]
+__all__ = ["AppLogsItsRefusals", "ClientMistakesAreWarnings", "HttpLimits", "protocol_classes"]
 
 # websockets parses each handshake line with this limit; a header line the HTTP layer lets through
 # must fit it (the request line's limit is raised to ours by `allow_request_lines`).
@@ -173,6 +173,13 @@ class _HeadGuard:
         self._upgraded = True  # from here on the transport belongs to the WebSocket protocol
         super().handle_websocket_upgrade()  # type: ignore[misc]
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # httptools still reports the upgrade of a request this guard already refused (its
+        # headers were never recorded, so uvicorn takes it for an unsupported one): the refusal
+        # logged its own line.
+        if not self._refused:
+            super()._unsupported_upgrade_warning()  # type: ignore[misc]
+
     def send_400_response(self, msg: str) -> None:
         if not self._refused:
             self._refused = True
@@ -264,6 +271,21 @@ class ClientMistakesAreWarnings(logging.Filter):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info = record.exc_text = None
             record.msg = f"{record.msg.rstrip('.')} (connection closed with 1007)"
+        return True
+
+
+class AppLogsItsRefusals(logging.Filter):
+    """uvicorn logs every HTTP answer to a WebSocket upgrade (`"WebSocket /path?query" 400`);
+    /api/chat logs its refusals itself, with the reason, so uvicorn's line would say it twice."""
+
+    _FORMAT = '%s - "WebSocket %s" %d'
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.msg == self._FORMAT and isinstance(args, tuple) and len(args) == 3:
+            path, status = args[1], args[2]
+            if isinstance(status, int) and status >= 400 and str(path).startswith("/api/chat"):
+                return False
         return True
 
 
