@@ -338,6 +338,37 @@ def echo_similarity(sent, received, segment_s: float = 1.0) -> float:
     return float(np.average(scores, weights=weights)) if scores else 0.0
 
 
+def window_similarity(sent, received, start: int, length: int) -> float:
+    """Log-spectrogram correlation of `sent[start:start+length]` with the same window of the
+    echo, found at the overall delay (two Opus passes keep spectra, not waveforms) give or take
+    four frames."""
+    import numpy as np
+    from scipy.signal import correlate
+
+    lag = int(np.argmax(correlate(received, sent, mode="full", method="fft"))) - (len(sent) - 1)
+    ref = log_spectrogram(sent[start : start + length]).ravel()
+    best = -1.0
+    for shift in range(-4 * 1920, 4 * 1920 + 1, 240):
+        b = start + lag + shift
+        if b >= 0 and b + length <= len(received):
+            got = log_spectrogram(received[b : b + length]).ravel()
+            best = max(best, float(np.corrcoef(ref, got)[0, 1]))
+    return best
+
+
+def window_found(window, received, search: int, step: int = 240) -> float:
+    """The best log-spectrogram correlation of `window` with any stretch of `received[:search]`
+    (for output whose timing is not the input's: utterances cut at silences, bursts)."""
+    import numpy as np
+
+    ref = log_spectrogram(window).ravel()
+    best = -1.0
+    for b in range(0, max(0, min(search, len(received) - len(window))) + 1, step):
+        got = log_spectrogram(received[b : b + len(window)]).ravel()
+        best = max(best, float(np.corrcoef(ref, got)[0, 1]))
+    return best
+
+
 # ---------------------------------------------------------------------------------------------
 # The server app in this process (an engine or manager the test builds), under the same uvicorn
 # configuration `serve` uses, in a thread with its own event loop.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import sphn
 from support_audio import espeak_speech, set_level
-from support_server import echo_similarity, log_spectrogram, running_server, serving_app
+from support_server import echo_similarity, running_server, serving_app, window_similarity
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -100,23 +100,6 @@ async def stream(
         await receiver
     got["pcm"] = np.concatenate(received) if received else np.zeros(0, np.float32)
     return got
-
-
-def window_similarity(sent: np.ndarray, received: np.ndarray, start: int, length: int) -> float:
-    """Log-spectrogram correlation of `sent[start:start+length]` with the same window of the
-    echo, found at the overall delay (two Opus passes keep spectra, not waveforms) give or take
-    four frames."""
-    from scipy.signal import correlate
-
-    lag = int(np.argmax(correlate(received, sent, mode="full", method="fft"))) - (len(sent) - 1)
-    ref = log_spectrogram(sent[start : start + length]).ravel()
-    best = -1.0
-    for shift in range(-4 * 1920, 4 * 1920 + 1, 240):
-        b = start + lag + shift
-        if b >= 0 and b + length <= len(received):
-            got = log_spectrogram(received[b : b + length]).ravel()
-            best = max(best, float(np.corrcoef(ref, got)[0, 1]))
-    return best
 
 
 def counters(manager) -> dict[str, float]:

@@ -1,0 +1,73 @@
+"""A Twilio caller's audio from before its session is ready reaches the session (issue 16):
+kept in order behind the phasing silence, which keeps its phase against the engine's ticks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from personaplex_twilio.audio_path import CHUNK_BYTES, InboundAudio
+from personaplex_twilio.caller_audio import EARLY_AUDIO_BYTES, CallerAudio
+
+from personaplex_voice.audio.mulaw import ulaw_encode
+from personaplex_voice.engine.base import FRAME_SIZE
+
+
+class FakeSession:
+    """What CallerAudio needs: `push` (recorded) and the engine's next tick."""
+
+    def __init__(self, to_tick_s: float | None):
+        self.to_tick_s = to_tick_s
+        self.pushed: list[np.ndarray] = []
+
+    def push(self, pcm: np.ndarray) -> None:
+        self.pushed.append(np.array(pcm, np.float32))
+
+    def seconds_to_next_tick(self) -> float | None:
+        return self.to_tick_s
+
+
+def caller_messages(n: int, seed: int = 3) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(n * 160) / 8000) + 0.01 * rng.standard_normal(n * 160)
+    data = ulaw_encode(tone.astype(np.float32))
+    return [data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES] for i in range(n)]
+
+
+@pytest.mark.parametrize("to_tick_s", [None, 0.013, 0.047, 0.071])
+@pytest.mark.parametrize("early_messages", [0, 3, 25])
+def test_early_audio_follows_the_silence_in_order_and_keeps_the_phase(to_tick_s, early_messages):
+    messages = caller_messages(early_messages + 8)
+    caller = CallerAudio(inbound_slack_ms=20)
+    for i, message in enumerate(messages[:early_messages]):
+        caller.feed(message, i + 1, None)  # the session is not ready yet
+    session = FakeSession(to_tick_s)
+    for i, message in enumerate(messages[early_messages:], start=early_messages):
+        caller.feed(message, i + 1, session)
+    pushed = np.concatenate(session.pushed)
+    silence = len(session.pushed[0])
+    assert not np.any(session.pushed[0])
+    # after the silence: every message, kept ones first, as one continuous conversion
+    reference = InboundAudio().convert(b"".join(messages))
+    np.testing.assert_allclose(pushed[silence:], reference[: len(pushed) - silence], atol=1e-6)
+    # the phase the silence sets up is the one it sets up without early audio
+    plain = CallerAudio(inbound_slack_ms=20).cushion_samples(to_tick_s)
+    assert (silence + early_messages * CHUNK_BYTES * 3) % FRAME_SIZE == plain % FRAME_SIZE
+    assert silence + early_messages * CHUNK_BYTES * 3 >= plain  # never less ahead than without
+    assert caller.dropped == 0
+
+
+def test_early_audio_beyond_the_bound_drops_the_oldest_counted():
+    messages = caller_messages(75)  # 1.5 s before the session is ready
+    caller = CallerAudio(inbound_slack_ms=20)
+    for i, message in enumerate(messages):
+        caller.feed(message, i + 1, None)
+    kept = EARLY_AUDIO_BYTES // CHUNK_BYTES
+    assert caller.dropped == 75 - kept and caller.metrics()["inbound_dropped_before_ready"] == 75 - kept
+    session = FakeSession(None)
+    last = caller_messages(1, seed=9)[0]
+    caller.feed(last, 76, session)
+    pushed = np.concatenate(session.pushed)
+    reference = InboundAudio().convert(b"".join(messages[-kept:]) + last)
+    silence = len(session.pushed[0])
+    np.testing.assert_allclose(pushed[silence:], reference[: len(pushed) - silence], atol=1e-6)
+    assert len(pushed) <= 24000  # within what a session keeps before it runs
