@@ -39,6 +39,9 @@ log = logging.getLogger("personaplex_backends.remote")
 # User audio waiting to be encoded and sent; past this the oldest is dropped (a stalled socket
 # must not turn into seconds of latency once it recovers).
 MAX_SEND_BACKLOG_S = 1.0
+# Why a server ends a running session without it being this client's fault (its shutdown or
+# restart, an engine failure, its own limits): the session is lost, not refused.
+ENDED_ON_THE_SERVER = frozenset({"session_ended", "internal"})
 # A connect URL longer than this (a long persona, percent-encoded) goes the server's long-prompt
 # way: the prompt is stored with POST /api/prompts and the URL names it by `prompt_id` (servers
 # refuse request lines past 16 KiB by default; proxies often stop at 8 KiB).
@@ -123,6 +126,8 @@ class RemoteSession:
                     yield AgentFrame(text=message.text())
                 elif message.kind == Kind.ERROR:
                     kind = await _refusal_kind(self._ws)
+                    if kind in ENDED_ON_THE_SERVER:  # not this client's doing: a new session may work
+                        raise SessionLost(f"server ended the session: {message.text()}")
                     raise SessionRefused(f"server ended the session: {message.text()}", kind=kind)
                 # metadata, ping and unknown kinds carry nothing for the pipeline
         except ConnectionClosed:
