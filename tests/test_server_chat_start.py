@@ -196,6 +196,7 @@ def test_refusals_are_counted_as_refused_and_logged_once():
     assert len(refusal_lines) == 1 and "400" in refusal_lines[0] and "unknown voice" in refusal_lines[0]
     assert len([line for line in log.splitlines() if "text_topk" in line]) == 1
     assert "Unsupported upgrade request" not in log
+    assert "ERROR" not in log and "Traceback" not in log
 
 
 def test_an_over_long_upgrade_request_line_is_refused_in_one_line():

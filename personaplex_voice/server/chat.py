@@ -124,9 +124,9 @@ class ChatConnection:
             raise
         try:
             await self.ws.accept()
-        except Exception:  # the client left during the upgrade
+        except BaseException:  # the client left during the upgrade (uvicorn wants its exception)
             await self._close_unaccepted("client")
-            return
+            raise
         self.metrics.connections.inc()
         self.metrics.open_connections.set(self.metrics.open_connections.value + 1)
         close_reason = "client"
@@ -195,17 +195,17 @@ class ChatConnection:
         if refusal.kind == "auth":
             headers["www-authenticate"] = 'Bearer realm="personaplex"'
         response = PlainTextResponse(refusal.message + "\n", refusal.http_status, headers=headers)
-        with contextlib.suppress(Exception):  # the client may be gone already
-            await self.ws.send_denial_response(response)
+        # A client already gone raises the server's own ClientDisconnected, which it expects back.
+        await self.ws.send_denial_response(response)
         return True
 
     async def _accept_and_refuse(self, refusal: Refusal) -> None:
         """A refusal after the upgrade although nothing was opened (see `_before_upgrade`)."""
         try:
             await self.ws.accept()
-        except Exception:
+        except BaseException:  # the client left (see `run`)
             await self._close_unaccepted("client")
-            return
+            raise
         self.metrics.connections.inc()
         await self._close_unaccepted(session_close_reason(refusal.kind))
         await self._refuse(refusal)
