@@ -45,7 +45,8 @@ class SteppingEcho(LoopbackEngine):
 
 
 def frame_of(k: int) -> np.ndarray:
-    return np.full(FRAME_SIZE, k / 1000.0, np.float32)
+    """Frame number k, loud enough to be delivered from a catch-up step (0.1 + k / 1000)."""
+    return np.full(FRAME_SIZE, 0.1 + k / 1000.0, np.float32)
 
 
 async def one_call(manager: SessionManager, args: argparse.Namespace) -> dict[str, float]:
@@ -60,7 +61,7 @@ async def one_call(manager: SessionManager, args: argparse.Namespace) -> dict[st
     async def read() -> None:
         async for out in session.frames():
             if np.any(out.pcm):
-                k = round(float(out.pcm[0]) * 1000)
+                k = round(float(out.pcm[0]) * 1000) - 100
                 heard.add(k)
                 lags.append((time.monotonic(), sent - k))
 

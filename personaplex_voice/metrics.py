@@ -172,6 +172,7 @@ class SessionMetrics:
     dropped_input_samples: Counter
     jitter_dropped_frames: Counter
     catchup_frames: Counter
+    catchup_silent_frames: Counter
     sessions_opened: Counter
     sessions_rejected: Counter
     sessions_closed: Counter
@@ -218,6 +219,10 @@ class SessionMetrics:
             catchup_frames=Counter(
                 "catchup_frames_total",
                 "Start-burst input frames consumed by extra engine steps between ticks",
+            ),
+            catchup_silent_frames=Counter(
+                "catchup_silent_frames_total",
+                "Silent output frames of catch-up steps, not delivered (time already past)",
             ),
             sessions_opened=Counter("sessions_opened_total", "Sessions admitted or queued"),
             sessions_rejected=Counter(

@@ -23,7 +23,8 @@ SECRET = "start-burst-secret"
 
 
 def frame_of(k: int) -> np.ndarray:
-    return np.full(FRAME_SIZE, k / 1000.0, np.float32)
+    """Frame number k, loud enough to be worth delivering from a catch-up step."""
+    return np.full(FRAME_SIZE, 0.1 + k / 1000.0, np.float32)
 
 
 async def test_audio_before_the_worker_runs_the_session_is_kept_in_order(tmp_path):
@@ -46,7 +47,7 @@ async def test_audio_before_the_worker_runs_the_session_is_kept_in_order(tmp_pat
     finally:
         await client.shutdown()
         await worker.stop()
-    echoed = [round(float(f.pcm[0]) * 1000) for f in out]
+    echoed = [round(float(f.pcm[0]) * 1000) - 100 for f in out]
     assert echoed[1:12] == list(range(1, 12))  # the loopback answers one frame late
     assert session.stats["dropped_pre_ready_samples"] == 0
     assert manager.metrics.jitter_dropped_frames.value == 0

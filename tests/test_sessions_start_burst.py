@@ -16,19 +16,20 @@ from support_sessions import collect, wait_until
 from personaplex_voice.engine.base import FRAME_SIZE, Persona, StepOutput
 from personaplex_voice.engine.loopback import LoopbackEngine
 from personaplex_voice.engine.scheduler import SlotState
-from personaplex_voice.engine.start_burst import StartBurst
+from personaplex_voice.engine.start_burst import StartBurst, worth_delivering
 from personaplex_voice.sessions import Session, SessionManager
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def frame_of(k: int) -> np.ndarray:
-    """Frame number k, recognisable in the echo: every sample is k / 1000."""
-    return np.full(FRAME_SIZE, k / 1000.0, np.float32)
+    """Frame number k, recognisable in the echo (and loud enough to be worth delivering from a
+    catch-up step): every sample is 0.1 + k / 1000."""
+    return np.full(FRAME_SIZE, 0.1 + k / 1000.0, np.float32)
 
 
 def numbers(pcm: np.ndarray) -> list[int]:
-    return [round(float(pcm[i]) * 1000) for i in range(0, len(pcm), FRAME_SIZE)]
+    return [round(float(pcm[i]) * 1000) - 100 for i in range(0, len(pcm), FRAME_SIZE)]
 
 
 # -- the policy alone ----------------------------------------------------------------------------
@@ -175,3 +176,31 @@ async def test_an_engine_without_room_keeps_the_burst_and_plays_it_out(manager_f
     out = await collect(session)
     assert numbers(np.concatenate([f.pcm for f in out]))[1:9] == list(range(1, 9))
     assert session.stats["catchup_frames"] == 0 and session.stats["jitter_dropped_frames"] == 0
+
+
+def test_only_catch_up_output_worth_hearing_is_delivered():
+    quiet = np.full(FRAME_SIZE, 0.003, np.float32)  # -50 dBFS: the model's silence
+    assert not worth_delivering(quiet, None) and worth_delivering(quiet, " hi")
+    assert worth_delivering(np.full(FRAME_SIZE, 0.01, np.float32), None)  # -40 dBFS: sound
+
+
+async def test_the_silence_a_catch_up_step_makes_is_not_delivered(manager_factory):
+    """A caller whose line was silent while the prompt was prefilled (a phone line sends its
+    silence too): catching that up would only give a just-in-time transport lasting delay."""
+    manager = manager_factory(LoopbackEngine(num_slots=1, prefill_s=0.05), realtime=True)
+    session = await manager.open(Persona())
+    for _ in range(6):
+        session.push(np.zeros(FRAME_SIZE, np.float32))
+    for k in range(1, 4):
+        session.push(frame_of(k))
+    await session.ready()
+    await wait_until(lambda: session.stats["catchup_frames"] >= 8)
+    session.end_input()
+    out = await collect(session)
+    echoed = numbers(np.concatenate([f.pcm for f in out]))
+    assert [k for k in echoed if k > 0][:2] == [1, 2]  # what the caller said, in order
+    skipped = manager.metrics.catchup_silent_frames.value
+    assert skipped >= 5  # the echoes of the line's silence, caught up, were not delivered
+    stats = session.stats
+    steps = stats["frames_in"] + stats["late_frames"] + stats["lead_in_frames"]
+    assert stats["frames_in"] == 9 and len(out) + skipped == steps  # every other step delivered

@@ -59,6 +59,7 @@ from personaplex_voice.engine.base import (
     StepOutput,
 )
 from personaplex_voice.engine.persona_cache import PersonaCache
+from personaplex_voice.engine.start_burst import worth_delivering
 from personaplex_voice.metrics import SessionMetrics
 
 log = logging.getLogger(__name__)
@@ -615,21 +616,29 @@ class Scheduler:
             self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
         self._step_and_deliver(running, pcm)
 
-    def _step_and_deliver(self, running: list[SlotClient], pcm: np.ndarray) -> None:
-        """One batched `engine.step` of `running` on `pcm`, each output frame to its client."""
+    def _step_and_deliver(
+        self, running: list[SlotClient], pcm: np.ndarray, catching_up: bool = False
+    ) -> None:
+        """One batched `engine.step` of `running` on `pcm`, each output frame to its client (of
+        a catch-up step, only the frames worth delivering: `start_burst.worth_delivering`)."""
         t0 = time.perf_counter()
         results = self._step_isolating(running, pcm, first=True)
         step_s = time.perf_counter() - t0
         self.metrics.tick_seconds.observe(step_s)
         self.recent_steps.append(step_s)
         self.metrics.ticks.inc()
-        dropped = 0
+        dropped = skipped = 0
         for client, out in results:
             slot = client.slot
             if slot is None or self.slots[slot] is not client or client._state is not SlotState.RUNNING:
                 continue  # closed during the step
             pcm_out = np.array(out.pcm[slot], dtype=np.float32)
+            if catching_up and not worth_delivering(pcm_out, out.text[slot]):
+                skipped += 1  # issue 16: the model's silence from time already past
+                continue
             dropped += client._deliver(pcm_out, out.text[slot], _tokens_of(out, slot), self.output_frames)
+        if skipped:
+            self.metrics.catchup_silent_frames.inc(skipped)
         if dropped:
             self.metrics.dropped_output_frames.inc(dropped)
         self._enforce_limits()
@@ -660,7 +669,7 @@ class Scheduler:
                 return
             self.metrics.catchup_frames.inc(len(stepped))
             t0 = time.perf_counter()
-            self._step_and_deliver(stepped, pcm)
+            self._step_and_deliver(stepped, pcm, catching_up=True)
             self._catchup_steps.append(time.perf_counter() - t0)
 
     def _step_fits(self, deadline: float) -> bool:

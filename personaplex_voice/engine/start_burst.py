@@ -12,11 +12,23 @@ start burst: those are exempt from trimming, and the scheduler consumes them wit
 losing a word. The burst is bounded (`limit_frames`, the session's input bound); a client that
 keeps sending faster than real time exhausts it and is trimmed as before (counted).
 
+A catch-up step's output comes out faster than real time: it is the agent's side of time that
+has already passed. A transport that plays just in time (a phone line) would hold it as lasting
+delay, so `worth_delivering` keeps only the frames that carry something (speech, a text piece):
+the model's silence from a catch-up step is not delivered.
+
 It is pure bookkeeping (no clock, no lock): the session keeps one per call and calls it from the
 inference thread. See docs/sessions.md ("Audio before the session runs").
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+# Agent output quieter than this (RMS, dBFS) is the model's silence: the level the Pipecat
+# service and the LiveKit model take as the agent speaking.
+SILENCE_DBFS = -45.0
+_SILENCE_RMS = 10 ** (SILENCE_DBFS / 20)
 
 
 class StartBurst:
@@ -52,3 +64,11 @@ class StartBurst:
         self.owed -= 1
         self._allowance -= 1
         return True
+
+
+def worth_delivering(pcm: np.ndarray, text: str | None) -> bool:
+    """A catch-up step's output frame carries something: a text piece, or sound above silence."""
+    if text:
+        return True
+    return float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64)))) >= _SILENCE_RMS
+
