@@ -42,7 +42,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from personaplex_voice.audio.budget import DecodeBudget, DecodeBudgetExceeded, TokenBucket
 from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
-from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, PersonaError
+from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, EngineError, PersonaError
 from personaplex_voice.server import access, info, protocol
 from personaplex_voice.server.config import ServerSettings
 from personaplex_voice.server.metrics import ServerMetrics
@@ -173,6 +173,10 @@ class ChatConnection:
             ) from None
         except PersonaError as exc:
             raise Refusal("persona", str(exc), CLOSE_POLICY, http_status=400) from None
+        except EngineError as exc:  # the manager is shutting down (a deploy): another server may take it
+            raise Refusal(
+                "unavailable", f"the server is not taking calls ({exc})", CLOSE_GOING_AWAY
+            ) from None
         log.info("session %s opened (voice=%s)", self.session.id, self.params.voice_prompt or "default")
 
     async def _deny(self, refusal: Refusal) -> bool:
