@@ -71,4 +71,3 @@ def worth_delivering(pcm: np.ndarray, text: str | None) -> bool:
     if text:
         return True
     return float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64)))) >= _SILENCE_RMS
-
