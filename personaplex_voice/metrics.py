@@ -216,6 +216,8 @@ class SessionMetrics(InstrumentSet):
     dropped_output_frames: Counter
     dropped_input_samples: Counter
     jitter_dropped_frames: Counter
+    catchup_frames: Counter
+    catchup_silent_frames: Counter
     sessions_opened: Counter
     sessions_rejected: Counter
     sessions_closed: Counter
@@ -258,6 +260,14 @@ class SessionMetrics(InstrumentSet):
             jitter_dropped_frames=Counter(
                 "jitter_dropped_frames_total",
                 "Spare input frames the realtime jitter buffer dropped to bring latency back down",
+            ),
+            catchup_frames=Counter(
+                "catchup_frames_total",
+                "Start-burst input frames consumed by extra engine steps between ticks",
+            ),
+            catchup_silent_frames=Counter(
+                "catchup_silent_frames_total",
+                "Silent output frames of catch-up steps, not delivered (time already past)",
             ),
             sessions_opened=Counter("sessions_opened_total", "Sessions admitted or queued"),
             sessions_rejected=Counter(

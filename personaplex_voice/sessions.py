@@ -49,6 +49,7 @@ from personaplex_voice.engine.scheduler import (
     Ticket,
     TicketError,
 )
+from personaplex_voice.engine.start_burst import StartBurst
 from personaplex_voice.metrics import LabelledSnapshot, SessionMetrics
 from personaplex_voice.session_api import OutFrame, SessionClosed, occupancy, pushed_samples
 
@@ -72,17 +73,22 @@ class SessionStream:
     """A session's buffers and waiters: the inference thread's side of it (`SlotStream`) and the
     asyncio plumbing that wakes its awaiters. `_lock` guards everything here."""
 
-    def __init__(self, session: Session, max_input_samples: int, clock: Clock):
+    def __init__(self, session: Session, config: SchedulerConfig, clock: Clock):
         self.session = session
         self._clock = clock
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._input = FrameBuffer(FRAME_SIZE, max_samples=max_input_samples)
+        self._input = FrameBuffer(FRAME_SIZE, max_samples=config.max_input_samples)
         self._out: deque[OutFrame] = deque()
         self._input_ended = False
         self._had_input = False  # a full frame was consumed at least once
         self._last_input = clock.now()
         self._spare = SpareTrimmer()  # realtime jitter buffer policy (inference thread only)
+        # Input kept from before the session ran (or flushed by a client right after its
+        # handshake) is a start burst: exempt from the jitter buffer, consumed by catch-up steps
+        # (engine/start_burst.py; inference thread only).
+        frames = config.start_burst_frames
+        self._burst = StartBurst(frames, window_ticks=frames)
         self.counts = {
             "frames_in": 0,
             "frames_out": 0,
@@ -92,6 +98,7 @@ class SessionStream:
             "dropped_input_samples": 0,
             "jitter_dropped_frames": 0,
             "dropped_pre_ready_samples": 0,
+            "catchup_frames": 0,
         }
 
     # ---- the transport's side (Session calls these) ----------------------------------------
@@ -106,6 +113,7 @@ class SessionStream:
             return dropped
 
     def count_pre_ready(self, samples: int) -> None:
+        """Input the bound dropped before the session ran (its caller's first words)."""
         with self._lock:
             self.counts["dropped_pre_ready_samples"] += samples
 
@@ -176,14 +184,28 @@ class SessionStream:
 
     def trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
         """Drops the spare whole frames `SpareTrimmer` gives up, oldest first, so a client's
-        frame phase is kept."""
+        frame phase is kept; a start burst's frames are exempt (catch-up steps take them)."""
         with self._lock:
-            drop = self._spare.frames_to_drop(len(self._input) // FRAME_SIZE, slack_frames, settle_ticks)
+            spare = len(self._input) // FRAME_SIZE
+            spare -= self._burst.after_tick(spare)
+            drop = self._spare.frames_to_drop(spare, slack_frames, settle_ticks)
             if drop:
                 self._input.drop_oldest(drop * FRAME_SIZE)
                 self.counts["jitter_dropped_frames"] += drop
                 self.counts["dropped_input_samples"] += drop * FRAME_SIZE
             return drop
+
+    def catchup_due(self) -> bool:
+        return self._burst.owed > 0
+
+    def take_catchup_frame(self) -> np.ndarray | None:
+        with self._lock:
+            if len(self._input) < FRAME_SIZE or not self._burst.take():
+                return None
+            frame = self._input.pop()
+            self.counts["frames_in"] += 1
+            self.counts["catchup_frames"] += 1
+            return frame
 
     def output_backlog(self) -> int:
         return len(self._out)
@@ -237,7 +259,7 @@ class Session:
         self.persona: Persona = prepared.persona
         self._manager = manager
         self._scheduler = manager.scheduler
-        self._stream = SessionStream(self, manager.config.max_input_samples, self._scheduler.clock)
+        self._stream = SessionStream(self, manager.config, self._scheduler.clock)
         self._record = ScheduledSession(self.id, prepared, self._stream, self._scheduler.clock.now())
 
     # ---- state (read off the scheduler's record) ----------------------------------------------
@@ -310,18 +332,19 @@ class Session:
     def push(self, pcm: np.ndarray) -> None:
         """Queue user audio: float32 mono 24 kHz in [-1, 1], any length. Never blocks.
 
-        Audio pushed after the session ended is ignored. In realtime mode audio pushed before
-        the session is ready is dropped (counted): the conversation has not started yet.
+        Audio pushed after the session ended is ignored. Audio pushed before the session is
+        ready (queued, prefilling) is kept, in order, up to the input bound (`max_input_s`): the
+        caller's first words. Beyond the bound the oldest samples go (counted, before the
+        session runs also in `dropped_pre_ready_samples`).
         Raises ValueError for audio that is not float, not 1-D or not finite.
         """
         x = pushed_samples(pcm)
         if self._record.closed or self._stream.input_ended:
             return
-        if self._manager.realtime and self._record.state is not SessionState.RUNNING:
-            self._stream.count_pre_ready(x.size)
-            return
         dropped = self._stream.push(x)
         if dropped:
+            if self._record.state is not SessionState.RUNNING:
+                self._stream.count_pre_ready(dropped)
             self._manager.metrics.dropped_input_samples.inc(dropped)
         self._scheduler.input_arrived()
 

@@ -166,6 +166,8 @@ class ChatResult:
     pcm_parts: list = field(default_factory=list)
     audio_messages: int = 0
     close_code: int | None = None
+    http_status: int | None = None  # the upgrade's HTTP answer when it was refused (body in errors)
+    refusal_kind: str | None = None  # its X-PersonaPlex-Error header
     sent_samples: int = 0  # of `audio` (the silent tail is not counted)
     sent_done_at: float | None = None  # monotonic time the last chunk of `audio` was sent
     # (monotonic time, total samples received so far) per audio message
@@ -202,7 +204,7 @@ async def chat(
 
     import sphn
     from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
 
     chunk = 1920
     result = ChatResult()
@@ -261,9 +263,15 @@ async def chat(
                 await asyncio.sleep(0)
 
     secure = {"ssl": ssl_context or insecure_ssl_context()} if url.startswith("wss:") else {}
-    async with connect(
-        url, additional_headers=headers, origin=origin, compression=None, proxy=None, max_size=None, **secure
-    ) as ws:
+    try:
+        options = dict(compression=None, proxy=None, max_size=None, **secure)
+        ws = await connect(url, additional_headers=headers, origin=origin, **options)
+    except InvalidStatus as exc:  # refused before the upgrade: the reason is the body
+        result.http_status = exc.response.status_code
+        result.refusal_kind = exc.response.headers.get("x-personaplex-error")
+        result.errors.append(exc.response.body.decode("utf-8", "replace").strip())
+        return result
+    async with ws:
         receiver = asyncio.create_task(receive(ws))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(handshake.wait(), handshake_timeout)
@@ -343,3 +351,78 @@ def echo_segment_scores(sent, received, segment_s: float = 1.0, rate: int = 2400
         scores.append(best)
         weights.append(energy)
     return scores, weights
+
+
+def window_similarity(sent, received, start: int, length: int) -> float:
+    """Log-spectrogram correlation of `sent[start:start+length]` with the same window of the
+    echo, found at the overall delay (two Opus passes keep spectra, not waveforms) give or take
+    four frames."""
+    import numpy as np
+    from scipy.signal import correlate
+
+    lag = int(np.argmax(correlate(received, sent, mode="full", method="fft"))) - (len(sent) - 1)
+    ref = log_spectrogram(sent[start : start + length]).ravel()
+    best = -1.0
+    for shift in range(-4 * 1920, 4 * 1920 + 1, 240):
+        b = start + lag + shift
+        if b >= 0 and b + length <= len(received):
+            got = log_spectrogram(received[b : b + length]).ravel()
+            best = max(best, float(np.corrcoef(ref, got)[0, 1]))
+    return best
+
+
+def window_found(window, received, search: int, step: int = 240) -> float:
+    """The best log-spectrogram correlation of `window` with any stretch of `received[:search]`
+    (for output whose timing is not the input's: utterances cut at silences, bursts)."""
+    import numpy as np
+
+    ref = log_spectrogram(window).ravel()
+    best = -1.0
+    for b in range(0, max(0, min(search, len(received) - len(window))) + 1, step):
+        got = log_spectrogram(received[b : b + len(window)]).ravel()
+        best = max(best, float(np.corrcoef(ref, got)[0, 1]))
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# The server app in this process (an engine or manager the test builds), under the same uvicorn
+# configuration `serve` uses, in a thread with its own event loop.
+
+
+@dataclass
+class AppServer:
+    url: str
+    ws_url: str
+    app: object
+    manager: object
+
+
+@contextlib.contextmanager
+def serving_app(manager, **settings) -> Iterator[AppServer]:
+    """`create_app(ServerSettings(**settings), manager)` served by uvicorn on a free port, with
+    the HTTP guard and WebSocket classes `personaplex-voice serve` runs with."""
+    import threading
+
+    import uvicorn
+
+    from personaplex_voice.process.settings import ServerSettings
+    from personaplex_voice.process.uvicorn_setup import uvicorn_config
+    from personaplex_voice.server.app import create_app
+
+    options = {"engine": "echo", "tune_runtime": False, "log_level": "warning", **settings}
+    config_settings = ServerSettings(host="127.0.0.1", port=free_port(), **options)
+    app = create_app(config_settings, host=manager)
+    server = uvicorn.Server(uvicorn_config(config_settings, app))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("in-process uvicorn did not start")
+        time.sleep(0.02)
+    port = config_settings.port
+    try:
+        yield AppServer(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", app, manager)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

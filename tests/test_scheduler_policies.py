@@ -18,6 +18,7 @@ from support_scheduler import (
     fake_manager,
     join,
     long_persona,
+    numbered,
     run_until,
 )
 
@@ -212,3 +213,31 @@ def test_a_tick_waits_briefly_for_a_slightly_late_frame():
     assert lateness[5] == pytest.approx(0.010) and lateness[12] == pytest.approx(0.020)
     assert np.abs(np.delete(lateness, [5, 12])).max() < 1e-9
     assert call.stats["late_frames"] == 1
+
+
+def test_a_start_burst_is_caught_up_between_ticks_without_a_lost_frame():
+    """0.72 s of caller audio pushed while the prompt is prefilled, then real time: the ticks
+    take one frame each and catch-up steps (20 ms each, in the gaps) take the burst, so every
+    frame is heard in order, none is trimmed, and the echo ends on the caller's latest frame."""
+    clock = FakeClock(T0)
+    engine = TimedEngine(clock, num_slots=1, step_s=0.020, chunk_s=0.100)  # a 0.1 s prefill
+    manager = fake_manager(clock, engine)
+    call = join(manager)
+    loud = 0.1  # above the silence a catch-up step does not deliver (start_burst.worth_delivering)
+    for k in range(9):  # the burst, during the prefill
+        clock.at(T0 + 0.001 * (k + 1), lambda k=k: call.push(numbered(k + 1) + loud))
+    caller_start = T0 + 0.2
+    for k in range(9, 40):
+        at = caller_start + (k - 9) * FRAME_SECONDS - 0.01
+        clock.at(at, lambda k=k: call.push(numbered(k + 1) + loud))
+    run_until(clock, manager, caller_start + 31 * FRAME_SECONDS + 0.05)
+    stats = call.stats
+    assert stats["jitter_dropped_frames"] == 0 and stats["dropped_input_samples"] == 0
+    caught = stats["catchup_frames"]
+    assert caught > 0 and manager.metrics.catchup_frames.value == caught
+    assert stats["frames_in"] == 40 and len(engine.log.step_times(call.slot)) == 40  # ticks + catch-ups
+    heard = [round((float(f[0]) - loud) * 1000) for f in drain(call)]
+    assert heard == list(range(1, 41))  # every frame, in order, once
+    assert stats["input_backlog_samples"] == 0  # the latency is back to nothing queued
+    ticks = engine.log.step_times(call.slot)
+    assert np.diff(ticks).min() >= 0.020 - 1e-9  # catch-up steps sat in gaps, one at a time

@@ -106,10 +106,16 @@ def test_unknown_voice_and_bad_values_get_a_clear_error(server):
         )
 
     unknown, traversal, bad = asyncio.run(attempts())
+    # Refusals that retrying cannot fix are the upgrade's HTTP answer, the reason in its body.
     assert "unknown voice" in unknown.errors[0] and not unknown.handshake
     assert "voice_prompt" in traversal.errors[0] and not traversal.handshake
     assert "text_topk" in bad.errors[0]
-    assert {unknown.close_code, traversal.close_code, bad.close_code} == {1008}
+    assert {unknown.http_status, traversal.http_status, bad.http_status} == {400}
+    assert (unknown.refusal_kind, traversal.refusal_kind, bad.refusal_kind) == (
+        "persona",
+        "bad_query",
+        "bad_query",
+    )
 
 
 def test_capacity_queue_and_refusal():
@@ -155,7 +161,7 @@ def test_api_key_and_origin():
         none, wrong, evil, good, bearer, header = asyncio.run(attempts())
         assert "API key" in none.errors[0] and "API key" in wrong.errors[0]
         assert "origin" in evil.errors[0]
-        assert {none.close_code, wrong.close_code, evil.close_code} == {1008}
+        assert (none.http_status, wrong.http_status, evil.http_status) == (401, 401, 403)
         for ok in (good, bearer, header):
             assert ok.handshake and ok.errors == [], ok.errors
         with httpx.Client(base_url=srv.url) as client:

@@ -62,9 +62,14 @@ def chat_url(server, **query: str) -> str:
 
 
 async def first_answer(url: str) -> tuple[str, object, float]:
-    """("metadata", dict) or ("error", text) for the server's first 0x04/0x05, and how long it took."""
+    """("metadata", dict) or ("error", text) for the server's first 0x04/0x05 (or its HTTP
+    refusal of the upgrade, the reason in the body), and how long it took."""
     started = time.monotonic()
-    async with connect(url, compression=None, proxy=None, max_size=None, open_timeout=10) as ws:
+    try:
+        ws = await connect(url, compression=None, proxy=None, max_size=None, open_timeout=10)
+    except InvalidStatus as exc:
+        return "error", exc.response.body.decode().strip(), time.monotonic() - started
+    async with ws:
         while True:
             message = await asyncio.wait_for(ws.recv(), 10)
             if message[:1] == b"\x04":

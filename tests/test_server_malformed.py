@@ -1,5 +1,6 @@
-"""Bad input on /api/chat: 1,000 malformed messages, each either refused (0x05 then close) or
-ignored, while a well-behaved caller keeps its real-time call; afterwards every slot is free."""
+"""Bad input on /api/chat: 1,000 malformed messages, each either refused (0x05 then close, or an
+HTTP 4xx on the upgrade for a bad query) or ignored, while a well-behaved caller keeps its
+real-time call; afterwards every slot is free."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import soundfile as sf
 import sphn
 from support_server import chat, echo_similarity, running_server
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from personaplex_voice.audio.opus import ogg_crc
 
@@ -114,12 +115,18 @@ def build_cases(rng: random.Random) -> list[Case]:
 
 
 async def run_case(base_url: str, case: Case) -> tuple[str, list[str]]:
-    """Send the case's messages; classify what the server did: "error" (0x05 then close),
-    "ignored" (the call goes on: handshake, no error, still open) or "bad" (anything else)."""
+    """Send the case's messages; classify what the server did: "error" (0x05 then close, or a
+    4xx answer to the upgrade with the reason in its body), "ignored" (the call goes on:
+    handshake, no error, still open) or "bad" (anything else)."""
     url = str(httpx.URL(base_url, params={"text_prompt": "hi", **case.query}))
     errors: list[str] = []
     closed, handshake = False, False
-    async with connect(url, compression=None, proxy=None, max_size=None, open_timeout=30) as ws:
+    try:
+        ws = await connect(url, compression=None, proxy=None, max_size=None, open_timeout=30)
+    except InvalidStatus as exc:
+        body = exc.response.body.decode("utf-8", "replace")
+        return ("error" if 400 <= exc.response.status_code < 500 else "bad"), [body]
+    async with ws:
         try:
             for message in case.messages:
                 await ws.send(message)

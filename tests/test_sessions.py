@@ -381,15 +381,6 @@ async def test_realtime_slow_consumer_loses_only_its_own_oldest_frames(manager_f
     assert manager.metrics.dropped_output_frames.value == stats["dropped_output_frames"]
 
 
-async def test_realtime_drops_audio_pushed_before_ready(manager_factory):
-    manager = manager_factory(LoopbackEngine(num_slots=1, prefill_s=0.05), realtime=True)
-    session = await manager.open(Persona())
-    session.push(audio(2, seed=1))
-    await session.ready()
-    assert session.stats["dropped_pre_ready_samples"] == 2 * FRAME_SIZE
-    assert session.stats["input_backlog_samples"] == 0
-
-
 async def test_shutdown_closes_everything(manager_factory):
     manager = manager_factory(LoopbackEngine(num_slots=1), max_queue=1)
     running = await manager.open(Persona())

@@ -26,7 +26,9 @@ def frame_number(pcm: np.ndarray) -> int:
 
 def bare_session(**opts) -> tuple[SessionManager, Session]:
     """A session outside any tick loop, to drive the jitter buffer one tick at a time through
-    its stream (what the inference thread sees of it)."""
+    its stream (what the inference thread sees of it). It is mid-call: no start burst is left to
+    exempt (test_sessions_start_burst.py tests that)."""
+    opts.setdefault("start_burst_s", 0.0)
     engine = LoopbackEngine(num_slots=1)
     manager = SessionManager(engine, realtime=True, **opts)
     return manager, Session(manager, engine.prepare(Persona()))

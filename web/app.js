@@ -272,13 +272,31 @@ async function connect() {
   };
   ws.onclose = (event) => {
     if (call && !call.opened) {
-      // A browser shows a refused upgrade (an HTTP 4xx/5xx) only as a close: say what it may be.
-      showError("The server refused the connection before it opened (it is down or unreachable, or it answered the upgrade with an HTTP error: see its log).");
+      // A browser shows a refused upgrade (an HTTP 4xx/5xx) only as a close: ask the server why.
+      showRefusal(ws.url);
     } else if (call && !call.serverError && event.code !== 1000 && event.code !== 1005) {
       showError(`The connection closed (code ${event.code}${event.reason ? `: ${event.reason}` : ""}).`);
     }
     hangUp(call && call.serverError ? "Ended by the server." : "Call ended.");
   };
+}
+
+async function showRefusal(wsUrl) {
+  // GET on the same URL answers what the upgrade was refused for (426 when nothing would be).
+  const url = new URL(wsUrl);
+  url.protocol = url.protocol === "wss:" ? "https:" : "http:";
+  let reason = "";
+  try {
+    const response = await fetch(url, { cache: "no-store" });
+    if (response.status !== 426) reason = (await response.text()).trim();
+  } catch (e) {
+    reason = "";
+  }
+  showError(
+    reason
+      ? `Server: ${reason}`
+      : "The server refused the connection before it opened (it is down or unreachable): see its log.",
+  );
 }
 
 function onMetadata(data) {

@@ -5,6 +5,11 @@ resampled to 24 kHz and pushed (audio_path.InboundAudio). Ahead of the caller's 
 goes a little silence, phased against the engine's frame clock, so that each frame is complete
 `inbound_slack_ms` before the tick that takes it: a message that comes that much late leaves
 the agent no gap.
+
+What the caller says before the session is ready (its system prompt is being prefilled) is kept
+here, up to `EARLY_AUDIO_S`, and pushed right behind that silence when it is: the session
+absorbs the burst with catch-up steps (docs/sessions.md), and the phase the silence sets up is
+kept because the silence is computed then, for the burst it precedes.
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ from typing import Any
 import numpy as np
 
 from personaplex_voice.audio.budget import TokenBucket
-from personaplex_voice.engine.base import SAMPLE_RATE
+from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE
 
 from .audio_path import InboundAudio
 from .carrier import MULAW_8K, AudioFormat, ProtocolError
 from .playback_buffer import CHUNK_S, FRAME_S
+
+# Caller audio kept while the session gets ready: with the silence ahead of it (at most a frame
+# and the slack) it stays within the 1 s a session keeps before it runs (max_input_s).
+EARLY_AUDIO_S = 0.8
 
 
 class CallerAudio:
@@ -27,7 +36,8 @@ class CallerAudio:
         self.slack_ms = inbound_slack_ms
         self.inbound = InboundAudio(fmt)
         self.frames_in = 0
-        self.dropped = 0  # media before the session was ready
+        self._early = bytearray()  # media before the session was ready, the newest EARLY_AUDIO_S
+        self._early_dropped_bytes = 0
         self.gaps = 0  # chunks the carrier numbered but we never got
         self.last_chunk = 0
         self.last_media = time.monotonic()  # carriers send caller audio all along, silence included
@@ -50,9 +60,20 @@ class CallerAudio:
     def format(self) -> AudioFormat:
         return self.inbound.format
 
+    @property
+    def _early_limit(self) -> int:
+        fmt = self.format
+        limit = round(EARLY_AUDIO_S * fmt.rate) * fmt.bytes_per_sample
+        return limit - limit % fmt.bytes_per_sample
+
+    @property
+    def dropped(self) -> int:
+        """20 ms messages' worth of caller audio lost before the session was ready (past the bound)."""
+        return self._early_dropped_bytes // self.format.chunk_bytes
+
     def feed(self, payload: bytes, chunk: int | None, session: Any | None) -> None:
-        """One media payload; `session` is None until it is ready (the payload is then dropped).
-        Raises ProtocolError for audio far faster than real time (decoding it is our CPU)."""
+        """One media payload; `session` is None until it is ready (the payload is then kept for
+        it). Raises ProtocolError for audio far faster than real time (decoding it is our CPU)."""
         if not self._pace.take(len(payload)):
             raise ProtocolError("caller audio arrives much faster than real time")
         self.frames_in += 1
@@ -62,19 +83,29 @@ class CallerAudio:
                 self.gaps += chunk - self.last_chunk - 1
             self.last_chunk = max(self.last_chunk, chunk)
         if session is None:
-            self.dropped += 1
+            self._early += payload
+            excess = len(self._early) - self._early_limit
+            if excess > 0:
+                excess += (-excess) % self.format.bytes_per_sample  # whole samples only
+                del self._early[:excess]
+                self._early_dropped_bytes += excess
             return
         if not self._cushioned:
             self._cushioned = True
+            early, self._early = bytes(self._early), bytearray()
             message_s = self.inbound.engine_samples(len(payload)) / SAMPLE_RATE or CHUNK_S
-            lead = self.cushion_samples(session.seconds_to_next_tick(), message_s)
-            session.push(self.inbound.lead(lead))
+            early_samples = round(self.inbound.engine_samples(len(early)))
+            cushion = self.cushion_samples(session.seconds_to_next_tick(), message_s, early_samples)
+            session.push(self.inbound.lead(cushion))
+            payload = early + payload
         pcm = self.inbound.feed(payload)
         if pcm is not None:
             session.push(pcm)
             self.last_pcm = pcm
 
-    def cushion_samples(self, to_tick_s: float | None, message_s: float = CHUNK_S) -> int:
+    def cushion_samples(
+        self, to_tick_s: float | None, message_s: float = CHUNK_S, early_samples: int = 0
+    ) -> int:
         """Silence to push ahead of the caller's first message so that, just before each engine
         tick, the session holds one full frame plus `inbound_slack_ms` of audio.
 
@@ -84,7 +115,9 @@ class CallerAudio:
         ticks fall on this message's phase: before each later one the session holds the cushion
         plus the messages since the last. A carrier that sends longer messages (Exotel: about
         100 ms) delivers its audio up to one message minus 20 ms later than that: so much more
-        cushion (and delay) it needs.
+        cushion (and delay) it needs. `early_samples` of kept audio go between this silence and
+        the message: what they add comes off the silence (the session catches whole frames of it
+        up, keeping the phase).
         """
         frame_ms, chunk_ms = FRAME_S * 1000, CHUNK_S * 1000
         if to_tick_s is None:
@@ -94,7 +127,10 @@ class CallerAudio:
             arriving_ms = chunk_ms + chunk_ms * (to_tick_ms // chunk_ms)
             cushion_ms = (frame_ms + self.slack_ms - arriving_ms) % frame_ms
         cushion_ms += max(0.0, message_s * 1000 - chunk_ms)
-        return round(cushion_ms * SAMPLE_RATE / 1000)
+        cushion = round(cushion_ms * SAMPLE_RATE / 1000)
+        if early_samples <= cushion:
+            return cushion - early_samples
+        return (cushion - early_samples) % FRAME_SIZE
 
     def metrics(self) -> dict[str, int]:
         return {

@@ -9,17 +9,20 @@ See docs/pipecat.md. Needs the `pipecat` extra: `pip install "personaplex-voice[
 
 from __future__ import annotations
 
-from .backends import (
+# Where the model runs is shared with the LiveKit bridge (bridges/backends/).
+from personaplex_backends import (
     AgentFrame,
     Backend,
     BackendError,
     BackendSession,
     BackendUnavailable,
+    Backoff,
+    InProcessBackend,
+    RemoteBackend,
     SessionLost,
     SessionRefused,
 )
-from .inprocess import InProcessBackend
-from .remote import Backoff, RemoteBackend
+
 from .service import PersonaPlexLLMService, PersonaPlexLLMSettings
 
 __all__ = [

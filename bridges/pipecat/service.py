@@ -27,6 +27,14 @@ from typing import Any
 
 import numpy as np
 from loguru import logger
+from personaplex_backends import (
+    Backend,
+    BackendSession,
+    BackendUnavailable,
+    EarlyAudio,
+    SessionLost,
+    SessionRefused,
+)
 
 from personaplex_voice.audio.resample import StreamingResampler
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Persona, Sampling
@@ -56,7 +64,6 @@ from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.text.base_text_aggregator import TextType
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
-from .backends import Backend, BackendSession, BackendUnavailable, SessionLost, SessionRefused
 from .utterance_playout import Edge, PlayoutGate, SpeechEndDetector, UtteranceTracker
 
 FRAME_S = FRAME_SIZE / SAMPLE_RATE  # 0.08
@@ -183,6 +190,8 @@ class PersonaPlexLLMService(LLMService):
         self._playout_lead_s = playout_lead_s
 
         self._session: BackendSession | None = None
+        # The caller's audio while a session opens (or reopens): handed over once it is ready.
+        self._early = EarlyAudio()
         self._session_task: asyncio.Task | None = None
         self._stopping = False
         self._out_rate = SAMPLE_RATE
@@ -302,6 +311,9 @@ class PersonaPlexLLMService(LLMService):
                 await session.close()
                 return
             self._session = session
+            early = self._early.take()
+            if len(early):
+                session.push(early)  # the caller's first words, in order, before the live audio
             self.stats["sessions"] += 1
             logger.info(f"{self}: {session.description} ready")
             await self.start_ttfb_metrics()  # the agent may speak first
@@ -355,8 +367,9 @@ class PersonaPlexLLMService(LLMService):
         if frame.sample_rate != SAMPLE_RATE:
             pcm = await self._resample_input(pcm, frame.audio, frame.sample_rate, frame.num_channels)
         session = self._session
-        if session is None:  # not ready yet: late audio would only add latency to a duplex model
-            self.stats["input_samples_dropped"] += len(pcm)
+        if session is None:  # not ready yet: kept for it (the server catches the backlog up)
+            self._early.add(pcm)
+            self.stats["input_samples_dropped"] = self._early.dropped_samples
             return
         session.push(pcm)
         speech_end = self._user_speech.update(pcm, time.time())
@@ -471,10 +484,10 @@ def _backend_from(
     options: dict[str, Any] | None,
 ) -> Backend:
     if url is not None:
-        from .remote import RemoteBackend
+        from personaplex_backends import RemoteBackend
 
         return RemoteBackend(url, api_key=api_key)
-    from .inprocess import InProcessBackend
+    from personaplex_backends import InProcessBackend
 
     if manager is not None:
         return InProcessBackend(manager)

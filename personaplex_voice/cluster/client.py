@@ -113,8 +113,7 @@ class ClusterClient:
     current `Endpoint` or None while it is unknown; it is called before each connection attempt
     (Ray discovery answers with the actor's new address after a restart). `add_discovery(fn)`
     runs `fn(client)` as a task from `start` (it adds and removes workers as it finds them).
-    `realtime` must match the workers' mode (it decides whether audio pushed before a session is
-    ready is dropped, as a realtime host does).
+    `realtime` must match the workers' mode (it sets the default input bound, as a manager's).
     """
 
     def __init__(

@@ -159,16 +159,17 @@ class RemoteSession:
             await self._wait()
 
     def push(self, pcm: np.ndarray) -> None:
-        """As `Session.push`: whole frames go to the worker as they complete."""
+        """As `Session.push`: whole frames go to the worker as they complete. Audio pushed
+        before the worker holds the session (queued, being placed) waits here, up to the input
+        bound, and goes in order once it does (the worker's session keeps it until ready)."""
         x = pushed_samples(pcm)
         if self.closed or self._input_ended:
-            return
-        if self._config.realtime and not self.ready_now:
-            self._counts["dropped_pre_ready_samples"] += x.size
             return
         dropped = self._input.push(x)
         if dropped:
             self._counts["dropped_input_samples"] += dropped
+            if not self.ready_now:
+                self._counts["dropped_pre_ready_samples"] += dropped
         self._send_input()
 
     def end_input(self) -> None:

@@ -207,8 +207,13 @@ def _build_engine(
             stop_after_ms=SCRIPTED_STOP_MS,
             greet=True,
         )
-    from personaplex_voice.cli_options import configure_threads, engine_options, parse_dtype, source_overrides
     from personaplex_voice.engine.factory import build_engine
+    from personaplex_voice.engine.options import (
+        configure_threads,
+        engine_options,
+        parse_dtype,
+        source_overrides,
+    )
 
     moshi_weight, mimi_weight, tokenizer, voice_prompt_dir = overrides
     if threads:

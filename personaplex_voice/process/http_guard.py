@@ -15,9 +15,11 @@ sans-I/O protocol for WebSocket upgrades):
 request line over the limit, 431 for too many or too large headers, 408 for a head that does not
 complete in time; an idle connection is closed without a word), before httptools buffers it and
 before any upgrade; every refusal is an HTTP answer and a close, with one log line.
-`AnsweringWebSocketProtocol` writes and closes whatever handshake websockets rejects anyway, and
-`allow_request_lines` lets websockets take the request lines the HTTP layer accepted (a
-1,000-character CJK `text_prompt` is ~9 KB once percent-encoded).
+`AnsweringWebSocketProtocol` writes and closes whatever handshake websockets rejects anyway
+(answering it itself where websockets before 16 gives no answer), and takes an app's HTTP answer
+to an upgrade (`/api/chat`'s refusals) as the end of the handshake, which uvicorn does not (it
+would log an ERROR for each); `allow_request_lines` lets websockets take the request lines the
+HTTP layer accepted (a 1,000-character CJK `text_prompt` is ~9 KB once percent-encoded).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, ClassVar
 
 log = logging.getLogger("personaplex_voice.server.http")
 
-__all__ = ["ClientMistakesAreWarnings", "HttpLimits", "protocol_classes"]
+__all__ = ["AppLogsItsRefusals", "ClientMistakesAreWarnings", "HttpLimits", "protocol_classes"]
 
 # websockets parses each handshake line with this limit; a header line the HTTP layer lets through
 # must fit it (the request line's limit is raised to ours by `allow_request_lines`).
@@ -207,6 +209,13 @@ class _HeadGuard:
         self._upgraded = True  # from here on the transport belongs to the WebSocket protocol
         super().handle_websocket_upgrade()  # type: ignore[misc]
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # httptools still reports the upgrade of a request this guard already refused (its
+        # headers were never recorded, so uvicorn takes it for an unsupported one): the refusal
+        # logged its own line.
+        if not self._refused:
+            super()._unsupported_upgrade_warning()  # type: ignore[misc]
+
     def send_400_response(self, msg: str) -> None:
         if not self._refused:
             self._refused = True
@@ -276,6 +285,7 @@ class _AnswerRejectedHandshakes:
     conn: Any
     transport: asyncio.Transport
     handshake_initiated: bool
+    handshake_complete: bool
     client: Any
 
     def data_received(self, data: bytes) -> None:
@@ -283,8 +293,29 @@ class _AnswerRejectedHandshakes:
         rejected = getattr(self.conn, "handshake_exc", None)
         if not self.handshake_initiated and rejected is not None and not self.transport.is_closing():
             log.info("refused a WebSocket upgrade from %s: %s", _client(self.client), rejected)
-            self.transport.write(b"".join(self.conn.data_to_send()))
+            answer = b"".join(self.conn.data_to_send())
+            if not answer.startswith(b"HTTP/"):
+                # websockets before 16 (LiveKit's NVIDIA plugin pins 15) rejects a head it will
+                # not parse without an answer: give the one later versions give.
+                answer = self._answer_for(rejected)
+            self.transport.write(answer)
             self.transport.close()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)  # type: ignore[misc]
+        if message.get("type") == "websocket.http.response.body" and not message.get("more_body", False):
+            # An app's HTTP answer to the upgrade (/api/chat's refusals) ends the handshake, but
+            # uvicorn 0.5x's sans-I/O protocol never marks it so and logs "ASGI callable returned
+            # without completing handshake." at ERROR for every refused upgrade.
+            self.handshake_complete = True
+
+    def _answer_for(self, rejected: BaseException) -> bytes:
+        cause = rejected.__cause__ or rejected
+        # Its SecurityError is a header line over its limit or too many headers (request lines
+        # over ours were refused by the HTTP layer first).
+        status = 431 if type(cause).__name__ == "SecurityError" else 400
+        # Serialized here: the connection already ended its side (send_response would too).
+        return self.conn.reject(status, f"Failed to open a WebSocket connection: {cause}.\n").serialize()
 
 
 class ClientMistakesAreWarnings(logging.Filter):
@@ -298,6 +329,21 @@ class ClientMistakesAreWarnings(logging.Filter):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info = record.exc_text = None
             record.msg = f"{record.msg.rstrip('.')} (connection closed with 1007)"
+        return True
+
+
+class AppLogsItsRefusals(logging.Filter):
+    """uvicorn logs every HTTP answer to a WebSocket upgrade (`"WebSocket /path?query" 400`);
+    /api/chat logs its refusals itself, with the reason, so uvicorn's line would say it twice."""
+
+    _FORMAT = '%s - "WebSocket %s" %d'
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.msg == self._FORMAT and isinstance(args, tuple) and len(args) == 3:
+            path, status = args[1], args[2]
+            if isinstance(status, int) and status >= 400 and str(path).startswith("/api/chat"):
+                return False
         return True
 
 

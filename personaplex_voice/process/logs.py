@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
-from personaplex_voice.process.http_guard import ClientMistakesAreWarnings
+from personaplex_voice.process.http_guard import AppLogsItsRefusals, ClientMistakesAreWarnings
 from personaplex_voice.process.settings import ServerSettings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -33,3 +33,4 @@ def configure_logging(settings: ServerSettings, fmt: str = LOG_FORMAT) -> None:
     for name in ("uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).addFilter(RedactTokens())
     logging.getLogger("uvicorn.error").addFilter(ClientMistakesAreWarnings())
+    logging.getLogger("uvicorn.error").addFilter(AppLogsItsRefusals())  # /api/chat logs its own

@@ -58,6 +58,9 @@ class ServerSettings(BaseSettings):
     # Session limits: a call ends after this long, or after this long without audio (0 = never).
     max_call_s: float = Field(3600.0, ge=0)
     idle_timeout_s: float = Field(60.0, ge=0)
+    # Input a session keeps from its start beyond real time and catches up instead of trimming
+    # (docs/sessions.md); None = the session's input bound (1 s), 0 = trim it like late input.
+    start_burst_s: float | None = Field(None, ge=0)
     # Persona cache: slot snapshots after the system prompt, so a repeated persona skips the
     # prefill. 0 disables it.
     persona_cache_mb: float = Field(1024.0, ge=0)
@@ -146,6 +149,7 @@ class ServerSettings(BaseSettings):
             "max_call_s": self.max_call_s or None,
             "idle_timeout_s": self.idle_timeout_s or None,
             "cache_bytes": round(self.persona_cache_mb * (1 << 20)),
+            "start_burst_s": self.start_burst_s,
         }
 
     @property

@@ -28,7 +28,7 @@ from personaplex_voice.process import runtime
 from personaplex_voice.process.engine_loader import load_engine, warm_engine
 from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server import access, info, metrics
-from personaplex_voice.server.chat import chat_endpoint
+from personaplex_voice.server.chat import chat_endpoint, why_refused
 from personaplex_voice.server.prompts import PromptStore
 from personaplex_voice.server.protocol import ChatParams, QueryError
 from personaplex_voice.server.static import web_root
@@ -82,6 +82,7 @@ def create_app(
     )
 
     app.add_api_websocket_route("/api/chat", chat_endpoint)
+    app.add_api_route("/api/chat", why_refused, methods=["GET"])  # why an upgrade was refused
     app.add_api_route("/api/prompts", _store_prompt, methods=["POST"])
     app.add_api_route("/api/voices", _voices, methods=["GET"])
     app.add_api_route("/healthz", _healthz, methods=["GET"])

@@ -1,9 +1,15 @@
 """`/api/chat`: one WebSocket ↔ one Session (see `protocol.py` for the message kinds).
 
 Life of a connection:
-1. accept; check Origin, API key, that the engine is loaded, and the query values;
-2. `host.open(persona)`; send 0x04 metadata (with the queue position while waiting, sent
-   again whenever it changes);
+1. before the upgrade: check Origin, API key, that the engine is loaded, the query values, and
+   open the session (`host.open(persona)`: the persona is validated, a slot taken or a queue
+   place). A refusal that retrying cannot fix (origin, key, query, persona, a failed model) is
+   the upgrade's HTTP answer, with the reason as plain text; a passing one (server full, model
+   still loading) is a 0x05 message and a 1013 close after the upgrade, which WebSocket clients
+   take as "try again later";
+2. accept; send 0x04 metadata (with the queue position while waiting, sent again whenever it
+   changes); from here on every input message goes to the session in order, before the
+   handshake too (the session keeps it until it runs: docs/sessions.md);
 3. once `session.ready()` (system prompt in the slot), send the 0x00 handshake;
 4. two tasks run until either ends: *receive* (0x01 Ogg-Opus → PCM → `session.push`, unknown
    kinds ignored) and *send* (`session.frames()` → 0x02 text + 0x01 Ogg-Opus, one page per 20 ms
@@ -30,11 +36,13 @@ import contextlib
 import logging
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from personaplex_voice.audio.budget import DecodeBudget, DecodeBudgetExceeded, TokenBucket
 from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
-from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, PersonaError
+from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, EngineError, PersonaError
 from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server import access, info, protocol
 from personaplex_voice.server.metrics import ServerMetrics
@@ -51,6 +59,8 @@ CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013
+# What `why_refused` answers for a refusal that is a 1013 close on the socket (full, loading).
+CLOSE_TO_HTTP_RETRY = 503
 
 QUEUE_POLL_S = 0.25
 # Message bytes a client may send (all kinds, text frames included), per second and at once: far
@@ -60,11 +70,27 @@ BYTES_BURST = 2 * 1024 * 1024
 
 
 class Refusal(Exception):
-    """Ends the connection with a 0x05 error. `kind` labels the error metric."""
+    """Ends the connection with a 0x05 error. `kind` labels the error metric. `http_status`:
+    before the upgrade, a refusal that retrying cannot fix is answered with this HTTP status
+    instead (None: a 0x05 after the upgrade, even then)."""
 
-    def __init__(self, kind: str, message: str, code: int):
+    def __init__(self, kind: str, message: str, code: int, http_status: int | None = None):
         super().__init__(message)
-        self.kind, self.message, self.code = kind, message, code
+        self.kind, self.message, self.code, self.http_status = kind, message, code, http_status
+
+
+# A refusal's kind -> the session's close reason (the fixed set of personaplex_voice.metrics):
+# whatever the server refused the client for is "refused"; these are the others.
+_CLOSE_REASONS = {
+    "client": "client",
+    "shutdown": "shutdown",
+    "slow_client": "slow_client",
+    "internal": "transport_error",
+}
+
+
+def session_close_reason(kind: str) -> str:
+    return _CLOSE_REASONS.get(kind, "refused")
 
 
 class ClientGone(Exception):
@@ -83,12 +109,25 @@ class ChatConnection:
         self._reader = OggOpusReader(sample_rate=SAMPLE_RATE)
         self._budget = DecodeBudget(SAMPLE_RATE)
         self._bytes = TokenBucket(BYTES_PER_S, BYTES_BURST)
-        self._streaming = False  # True once the handshake is sent: audio goes to the session
 
     # -- entry point ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await self.ws.accept()
+        try:
+            await self._before_upgrade()
+        except Refusal as refusal:
+            if refusal.http_status is not None and await self._deny(refusal):
+                return
+            await self._accept_and_refuse(refusal)
+            return
+        except BaseException:
+            await self._close_unaccepted("shutdown")
+            raise
+        try:
+            await self.ws.accept()
+        except BaseException:  # the client left during the upgrade (uvicorn wants its exception)
+            await self._close_unaccepted("client")
+            raise
         self.metrics.connections.inc()
         self.metrics.open_connections.set(self.metrics.open_connections.value + 1)
         close_reason = "client"
@@ -108,7 +147,7 @@ class ChatConnection:
             await self._refuse(Refusal("internal", "internal server error", CLOSE_INTERNAL))
         finally:
             if self.session is not None:
-                await self.session.close(reason=close_reason)
+                await self.session.close(reason=session_close_reason(close_reason))
                 stats = self.session.stats
                 log.info(
                     "session %s closed (%s): %.1f s of audio, %d late frames, %d dropped output frames",
@@ -120,9 +159,11 @@ class ChatConnection:
                 )
             self.metrics.open_connections.set(self.metrics.open_connections.value - 1)
 
-    async def _converse(self) -> None:
-        self._admission_checks()
-        assert self.params is not None
+    async def _before_upgrade(self) -> None:
+        """Everything that can refuse a caller before its WebSocket opens (see the module
+        docstring), then the session: opened here so that its persona is checked before the
+        upgrade, and its slot is taken as early as can be."""
+        self.params = check_request(self.state, self.settings, self.ws.headers, self.ws.query_params)
         host: SessionHost = self.state.host
         try:
             self.session = await host.open(self.params.persona())
@@ -132,8 +173,54 @@ class ChatConnection:
                 "capacity", f"the server is full ({host.capacity} sessions){retry}", CLOSE_TRY_LATER
             ) from None
         except PersonaError as exc:
-            raise Refusal("persona", str(exc), CLOSE_POLICY) from None
+            raise Refusal("persona", str(exc), CLOSE_POLICY, http_status=400) from None
+        except EngineError as exc:  # the host is shutting down (a deploy): another server may take it
+            raise Refusal(
+                "unavailable", f"the server is not taking calls ({exc})", CLOSE_GOING_AWAY
+            ) from None
         log.info("session %s opened (voice=%s)", self.session.id, self.params.voice_prompt or "default")
+
+    async def _deny(self, refusal: Refusal) -> bool:
+        """The upgrade's HTTP answer: `refusal.http_status`, its message as plain text and its kind
+        in `X-PersonaPlex-Error`. One log line. False when the server cannot send one (an ASGI
+        server without the WebSocket denial extension): then it is refused after the upgrade."""
+        if "websocket.http.response" not in self.ws.scope.get("extensions", {}):
+            return False
+        assert refusal.http_status is not None
+        self.metrics.errors.inc(label=refusal.kind)
+        client = self.ws.client
+        log.info(
+            "refused an /api/chat upgrade from %s: %d %s (%s)",
+            f"{client.host}:{client.port}" if client else "unknown client",
+            refusal.http_status,
+            refusal.message,
+            refusal.kind,
+        )
+        headers = {"x-personaplex-error": refusal.kind, "cache-control": "no-store"}
+        if refusal.kind == "auth":
+            headers["www-authenticate"] = 'Bearer realm="personaplex"'
+        response = PlainTextResponse(refusal.message + "\n", refusal.http_status, headers=headers)
+        # A client already gone raises the server's own ClientDisconnected, which it expects back.
+        await self.ws.send_denial_response(response)
+        return True
+
+    async def _accept_and_refuse(self, refusal: Refusal) -> None:
+        """A refusal after the upgrade although nothing was opened (see `_before_upgrade`)."""
+        try:
+            await self.ws.accept()
+        except BaseException:  # the client left (see `run`)
+            await self._close_unaccepted("client")
+            raise
+        self.metrics.connections.inc()
+        await self._close_unaccepted(session_close_reason(refusal.kind))
+        await self._refuse(refusal)
+
+    async def _close_unaccepted(self, reason: str) -> None:
+        if self.session is not None:
+            await self.session.close(reason=reason)
+
+    async def _converse(self) -> None:
+        assert self.params is not None and self.session is not None
         await self._send(protocol.encode_metadata(self._metadata()))
 
         receiving = asyncio.create_task(self._receive_loop(), name="chat-receive")
@@ -142,7 +229,6 @@ class ChatConnection:
         try:
             await self._wait_until_ready(receiving)
             await self._send(protocol.encode_handshake())
-            self._streaming = True
             sending = asyncio.create_task(self._send_loop(), name="chat-send")
             done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_COMPLETED)
             finished = receiving if receiving in done else sending
@@ -164,7 +250,7 @@ class ChatConnection:
             raise
         finally:
             # Close first (frees the slot at once); the send task then leaves session.frames().
-            await self.session.close(reason=reason)
+            await self.session.close(reason=session_close_reason(reason))
             for task in (receiving, sending):
                 if task is not None and not task.done():
                     task.cancel()
@@ -172,42 +258,6 @@ class ChatConnection:
                         await task
                 if task is not None:
                     _retrieve(task)  # both may have failed (a client gone mid-send): no "never retrieved"
-
-    def _admission_checks(self) -> None:
-        headers, query = self.ws.headers, self.ws.query_params
-        if not access.origin_ok(self.settings, headers):
-            raise Refusal("origin", f"origin {headers.get('origin')!r} is not allowed", CLOSE_POLICY)
-        if not access.key_ok(self.settings, headers, query):
-            raise Refusal("auth", "missing or wrong API key (pass ?token=KEY)", CLOSE_POLICY)
-        if self.state.host is None:
-            status = self.state.load_status
-            if status.get("state") == "failed":
-                raise Refusal(
-                    "unavailable", f"the model failed to load: {status.get('detail')}", CLOSE_INTERNAL
-                )
-            raise Refusal("loading", "the model is still loading; retry in a few seconds", CLOSE_TRY_LATER)
-        try:
-            self.params = ChatParams.from_query(
-                query, max_prompt_chars=self.settings.max_prompt_chars, text_prompt=self._stored_prompt()
-            )
-        except QueryError as exc:
-            raise Refusal("bad_query", str(exc), CLOSE_POLICY) from None
-
-    def _stored_prompt(self) -> str | None:
-        """The text of `?prompt_id=` (stored with POST /api/prompts), None without one."""
-        prompt_id = self.ws.query_params.get("prompt_id")
-        if not prompt_id:
-            return None
-        if self.ws.query_params.get("text_prompt"):
-            raise QueryError("give text_prompt or prompt_id, not both")
-        text = self.state.prompts.get(prompt_id)
-        if text is None:
-            ttl = self.state.prompts.ttl_s
-            raise QueryError(
-                f"prompt_id {prompt_id[:40]!r} is unknown or expired (stored prompts last {ttl:g} s): "
-                "store the prompt again with POST /api/prompts"
-            )
-        return text
 
     # -- waiting for a slot --------------------------------------------------------------------
 
@@ -307,10 +357,11 @@ class ChatConnection:
             raise Refusal(exc.reason, str(exc), CLOSE_POLICY) from None
         except ValueError as exc:  # OggError
             raise Refusal("malformed_audio", f"malformed Ogg-Opus audio: {exc}", CLOSE_INVALID_DATA) from None
-        if self._streaming:  # audio sent before the handshake is decoded (headers) but not used
-            for pcm in chunks:
-                if len(pcm):
-                    self.session.push(pcm)
+        # Every byte after the upgrade counts, the handshake's time included: the session keeps
+        # what comes before it runs, in order (bounded; docs/sessions.md).
+        for pcm in chunks:
+            if len(pcm):
+                self.session.push(pcm)
 
     async def _send_loop(self) -> None:
         writer = OggOpusWriter(sample_rate=SAMPLE_RATE, frame_ms=20)
@@ -377,6 +428,79 @@ def _raise_outcome(task: asyncio.Task[None]) -> None:
         raise ClientGone
     if error is not None:
         raise error
+
+
+def check_request(state: Any, settings: ServerSettings, headers: Any, query: Any) -> ChatParams:
+    """What /api/chat checks before it opens a session, for the WebSocket and for a plain GET
+    that asks why an upgrade was refused. Raises `Refusal` (with the HTTP status of refusals
+    that retrying cannot fix)."""
+    if not access.origin_ok(settings, headers):
+        raise Refusal(
+            "origin", f"origin {headers.get('origin')!r} is not allowed", CLOSE_POLICY, http_status=403
+        )
+    if not access.key_ok(settings, headers, query):
+        raise Refusal("auth", "missing or wrong API key (pass ?token=KEY)", CLOSE_POLICY, http_status=401)
+    if state.host is None:
+        status = state.load_status
+        if status.get("state") == "failed":
+            raise Refusal(
+                "unavailable",
+                f"the model failed to load: {status.get('detail')}",
+                CLOSE_INTERNAL,
+                http_status=500,
+            )
+        raise Refusal("loading", "the model is still loading; retry in a few seconds", CLOSE_TRY_LATER)
+    try:
+        return ChatParams.from_query(
+            query, max_prompt_chars=settings.max_prompt_chars, text_prompt=_stored_prompt(state, query)
+        )
+    except QueryError as exc:
+        raise Refusal("bad_query", str(exc), CLOSE_POLICY, http_status=400) from None
+
+
+def _stored_prompt(state: Any, query: Any) -> str | None:
+    """The text of `?prompt_id=` (stored with POST /api/prompts), None without one."""
+    prompt_id = query.get("prompt_id")
+    if not prompt_id:
+        return None
+    if query.get("text_prompt"):
+        raise QueryError("give text_prompt or prompt_id, not both")
+    text = state.prompts.get(prompt_id)
+    if text is None:
+        ttl = state.prompts.ttl_s
+        raise QueryError(
+            f"prompt_id {prompt_id[:40]!r} is unknown or expired (stored prompts last {ttl:g} s): "
+            "store the prompt again with POST /api/prompts"
+        )
+    return text
+
+
+async def why_refused(request: Request) -> PlainTextResponse:
+    """`GET /api/chat?QUERY` (plain HTTP): what an upgrade with this query and these headers
+    would be refused for, for clients that cannot read an upgrade's HTTP answer (a browser's
+    WebSocket shows a refused upgrade only as a close). 426 when the checks pass. The voice is
+    checked against the engine's voice list, not by opening a session; nothing is counted."""
+    state = request.app.state
+    try:
+        params = check_request(state, state.settings, request.headers, request.query_params)
+        _check_voice_listed(state, params.voice_prompt)
+    except Refusal as refusal:
+        status = refusal.http_status or CLOSE_TO_HTTP_RETRY
+        headers = {"x-personaplex-error": refusal.kind, "cache-control": "no-store"}
+        return PlainTextResponse(refusal.message + "\n", status, headers=headers)
+    return PlainTextResponse(
+        "nothing to refuse: connect with a WebSocket upgrade\n", 426, headers={"upgrade": "websocket"}
+    )
+
+
+def _check_voice_listed(state: Any, voice: str | None) -> None:
+    host: SessionHost | None = state.host
+    if voice is None or host is None:
+        return
+    stem = voice.rsplit(".", 1)[0] if "." in voice else voice
+    names = {v.name.rsplit(".", 1)[0] if "." in v.name else v.name for v in host.voices()}
+    if stem not in names:
+        raise Refusal("persona", f"unknown voice {voice!r} (see /api/voices)", CLOSE_POLICY, http_status=400)
 
 
 async def chat_endpoint(ws: WebSocket) -> None:

@@ -31,6 +31,9 @@ class SchedulerConfig:
     input_slack_frames: int = 2  # realtime jitter buffer: spare frames kept at most
     input_settle_ticks: int | None = 12  # realtime jitter buffer: unused spare goes after this
     max_input_samples: int = SAMPLE_RATE  # input backlog bound per session, at push time
+    # realtime: a session's start burst (input kept from before it ran) the jitter buffer leaves
+    # alone and catch-up steps consume (engine/start_burst.py); 0 = none
+    start_burst_frames: int = 0
     output_frames: int = 64  # output queue bound per session
     max_call_frames: int | None = 45_000  # a call ends after this many frames (None: never)
     idle_timeout_s: float | None = 60.0  # a call that pushes nothing this long ends
@@ -56,6 +59,7 @@ class SchedulerConfig:
         input_slack_s: float = 0.16,
         input_settle_s: float | None = 1.0,
         max_input_s: float | None = None,
+        start_burst_s: float | None = None,
         output_frames: int = 64,
         lossless: bool | None = None,
         retry_after_s: float = 5.0,
@@ -65,6 +69,7 @@ class SchedulerConfig:
         """The config from durations in seconds (None: the documented default or no limit)."""
         if max_input_s is None:
             max_input_s = default_max_input_s(realtime)
+        burst_s = max_input_s if start_burst_s is None else min(start_burst_s, max_input_s)
         return cls(
             realtime=realtime,
             max_queue=max_queue,
@@ -77,6 +82,7 @@ class SchedulerConfig:
             if input_settle_s is None
             else max(1, round(input_settle_s / FRAME_SECONDS)),
             max_input_samples=max(FRAME_SIZE, round(max_input_s * SAMPLE_RATE)),
+            start_burst_frames=int(burst_s * SAMPLE_RATE) // FRAME_SIZE if realtime else 0,
             output_frames=output_frames,
             max_call_frames=None if max_call_s is None else max(1, round(max_call_s / FRAME_SECONDS)),
             idle_timeout_s=idle_timeout_s,

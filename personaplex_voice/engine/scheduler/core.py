@@ -14,7 +14,9 @@ carries out in order, so the slot is always released in the engine before it is 
 Between ticks the thread carries out those operations (releases; joins: a restore from the
 persona cache, or the start of a system prompt prefill), runs prefill chunks while the next tick
 is not due (chunked prefill: a long prompt spreads over as many gaps as it needs, so joining
-callers never hold up running ones), ends sessions past their limits and expires tickets.
+callers never hold up running ones), runs catch-up steps for sessions holding a start burst
+(input kept from before they ran: `engine.start_burst`) while one more step fits, ends sessions
+past their limits and expires tickets.
 
 Two clocks:
 - realtime: a tick every frame period on a deadline clock. A session takes part from its first
@@ -69,6 +71,7 @@ from personaplex_voice.engine.scheduler.records import (
     WaitingQueue,
     new_ticket_id,
 )
+from personaplex_voice.engine.start_burst import worth_delivering
 from personaplex_voice.metrics import SessionMetrics
 
 log = logging.getLogger("personaplex_voice.engine.scheduler")
@@ -151,6 +154,7 @@ class Scheduler:
         self._want_room = False  # the thread waits for consumers (lossless mode)
         self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
         self.recent_steps: deque[float] = deque(maxlen=25)  # engine.step seconds, last 2 s
+        self._catchup_steps: deque[float] = deque(maxlen=8)  # recent catch-up step seconds
         self._next_tick: float | None = None  # the realtime clock's next due time, when running
 
     # ---- occupancy (any thread) ----------------------------------------------------------------
@@ -541,6 +545,7 @@ class Scheduler:
         fit before `deadline`, end sessions past their limits, expire tickets."""
         self._apply_ops()
         self._run_prefills(deadline)
+        self._catch_up(deadline)
         self._enforce_limits()
         with self.cond:
             self._expire_tickets()
@@ -759,24 +764,73 @@ class Scheduler:
         if trimmed:
             self.metrics.jitter_dropped_frames.inc(trimmed)
             self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
+        self._step_and_deliver(running, pcm)
+
+    def _step_and_deliver(
+        self, running: list[ScheduledSession], pcm: np.ndarray, catching_up: bool = False
+    ) -> None:
+        """One batched `engine.step` of `running` on `pcm`, each output frame to its session (of
+        a catch-up step only the frames worth hearing: `start_burst.worth_delivering`)."""
         t0 = self.clock.elapsed()
         results = step_isolating(self.engine, running, pcm, self._fail_step)
         step_s = self.clock.elapsed() - t0
         self.metrics.tick_seconds.observe(step_s)
         self.recent_steps.append(step_s)
         self.metrics.ticks.inc()
-        dropped = 0
+        dropped = skipped = 0
         for record, out in results:
             slot = record.slot
             if slot is None or self._slots[slot] is not record or record.state is not SessionState.RUNNING:
                 continue  # closed during the step
             pcm_out = np.array(out.pcm[slot], dtype=np.float32)
+            if catching_up and not worth_delivering(pcm_out, out.text[slot]):
+                skipped += 1  # the model's silence over time already past
+                continue
             dropped += record.stream.deliver(
-                pcm_out, out.text[slot], _tokens_of(out, slot), config.output_frames
+                pcm_out, out.text[slot], _tokens_of(out, slot), self.config.output_frames
             )
+        if skipped:
+            self.metrics.catchup_silent_frames.inc(skipped)
         if dropped:
             self.metrics.dropped_output_frames.inc(dropped)
         self._enforce_limits()
+
+    # ---- catch-up steps ------------------------------------------------------------------------
+
+    def _catch_up(self, deadline: float | None) -> None:
+        """Realtime: extra steps, between ticks, for sessions holding a start burst (input kept
+        from before they ran, or a client's queue flushed after its handshake: see
+        `start_burst.StartBurst`), while one more step fits before the next tick by the slowest
+        recent step. Every session owed a frame goes in the same step, so a catch-up step costs
+        one batched step whatever the number of sessions. When none fits (an engine whose steps
+        fill the frame period), the burst stays queued: latency, never a lost word."""
+        if not self.config.realtime or deadline is None:
+            return
+        while not self._stopping and self._step_fits(deadline):
+            with self.cond:
+                due = [r for r in self._running() if r.stream.catchup_due()]
+            pcm = self._pcm_in
+            pcm.fill(0.0)
+            stepped = []
+            for record in due:
+                frame = record.stream.take_catchup_frame()
+                if frame is not None:
+                    pcm[record.slot] = frame
+                    stepped.append(record)
+            if not stepped:
+                return
+            self.metrics.catchup_frames.inc(len(stepped))
+            t0 = self.clock.elapsed()
+            self._step_and_deliver(stepped, pcm, catching_up=True)
+            self._catchup_steps.append(self.clock.elapsed() - t0)
+
+    def _step_fits(self, deadline: float) -> bool:
+        """One more catch-up step ends before `deadline` with a tenth of the frame period to
+        spare (the margin `late_wait` keeps too): as slow as the slowest recent catch-up step
+        (an engine that steps only the active slots makes those cheaper than a full tick), or,
+        before any ran, as the slowest tick of the last 2 s."""
+        slowest = max(self._catchup_steps or self.recent_steps, default=0.0)
+        return self.clock.now() + slowest < deadline - 0.1 * self.config.frame_period_s
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,14 @@ class SlotStream(Protocol):
         """A tick fed silence: a late frame, or lead-in before the first full frame."""
 
     def trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
-        """The realtime jitter buffer after a tick; returns the whole frames dropped."""
+        """The realtime jitter buffer after a tick; returns the whole frames dropped (a start
+        burst's frames are exempt: catch-up steps take them)."""
+
+    def catchup_due(self) -> bool:
+        """Frames of a start burst are owed a catch-up step (`engine.start_burst.StartBurst`)."""
+
+    def take_catchup_frame(self) -> np.ndarray | None:
+        """The next input frame for a catch-up step, or None when none is owed."""
 
     def output_backlog(self) -> int:
         """Output frames not yet taken by the consumer."""

@@ -19,9 +19,9 @@ from personaplex_voice.errors import UserError
 from personaplex_voice.session_api import CallSession, SessionHost
 from personaplex_voice.sessions import SessionManager
 
-from .backends import AgentFrame, BackendUnavailable, SessionLost, SessionRefused
+from .base import AgentFrame, BackendUnavailable, SessionLost, SessionRefused
 
-log = logging.getLogger("personaplex_pipecat.inprocess")
+log = logging.getLogger("personaplex_backends.inprocess")
 
 
 class InProcessSession:
@@ -47,14 +47,14 @@ class InProcessSession:
 
     async def frames(self) -> AsyncIterator[AgentFrame]:
         async for out in self._session.frames():
-            yield AgentFrame(pcm=out.pcm, text=out.text)
+            yield AgentFrame(pcm=out.pcm, text=out.text, tokens=out.tokens)
         if not self._closing:
             reason = self._session.close_reason or "ended"
             raise SessionLost(f"the engine session ended ({reason})")
 
     async def close(self) -> None:
         self._closing = True
-        await self._session.close(reason="pipecat")
+        await self._session.close(reason="client")
 
 
 class InProcessBackend:
@@ -137,10 +137,10 @@ class InProcessBackend:
             raise SessionRefused(f"persona refused: {exc}", kind="persona") from exc
         except asyncio.CancelledError:
             # Cancelled while waiting for a slot or the prefill: never leave a slot behind.
-            await asyncio.shield(session.close(reason="pipecat"))
+            await asyncio.shield(session.close(reason="client"))
             raise
         except Exception as exc:  # SessionClosed: the manager shut down or the engine failed
-            await session.close(reason="pipecat")
+            await session.close(reason="client")
             reason = session.close_reason or type(exc).__name__
             raise BackendUnavailable(f"the engine session could not start ({reason})") from exc
         return InProcessSession(session)

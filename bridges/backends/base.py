@@ -1,8 +1,8 @@
-"""What the Pipecat service needs from wherever the model runs: open a session, push, read frames.
+"""What a framework bridge needs from wherever the model runs: open a session, push, read frames.
 
 Two implementations: `InProcessBackend` (a SessionManager in this process) and `RemoteBackend`
 (a personaplex-voice server over `/api/chat`). Both speak 24 kHz mono float32 PCM; resampling to
-and from the pipeline's rates is the service's job.
+and from the framework's rates is the bridge's job.
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ class SessionLost(BackendError):
 
 @dataclass
 class AgentFrame:
-    """A piece of the agent's output: audio (24 kHz float32), a text piece, or both."""
+    """A piece of the agent's output: audio (24 kHz float32), a text piece, or both. `tokens`:
+    the frame's text and audio tokens, when the backend sees them (in process, the real model)."""
 
     pcm: np.ndarray | None = None
     text: str | None = None
+    tokens: np.ndarray | None = None
 
 
 class BackendSession(Protocol):

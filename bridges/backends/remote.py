@@ -2,8 +2,11 @@
 
 One WebSocket per session. The server sends 0x04 metadata (again while the caller waits in its
 queue), 0x00 once the system prompt is in the slot, then 0x01 Ogg-Opus pages and 0x02 text
-pieces; any refusal is a 0x05 message with the reason, then a close. Connecting is retried with
-exponential backoff when the server cannot be reached; a refusal is not retried.
+pieces. A refusal that retrying cannot fix (key, persona, query) is the upgrade's HTTP answer,
+its reason the body and its kind the `X-PersonaPlex-Error` header; any later refusal is a 0x05
+message with the reason, then a close whose reason is the kind. Connecting is retried with
+exponential backoff when the server cannot be reached or asks to try again later (HTTP 5xx, a
+1013 close before the handshake); a refusal is not retried.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Persona
 from personaplex_voice.server import protocol
 from personaplex_voice.server.protocol import ChatParams, Kind
 
-from .backends import AgentFrame, BackendUnavailable, SessionLost, SessionRefused
+from .base import AgentFrame, BackendUnavailable, SessionLost, SessionRefused
 
-log = logging.getLogger("personaplex_pipecat.remote")
+log = logging.getLogger("personaplex_backends.remote")
 
 # User audio waiting to be encoded and sent; past this the oldest is dropped (a stalled socket
 # must not turn into seconds of latency once it recovers).
 MAX_SEND_BACKLOG_S = 1.0
+# Why a server ends a running session without it being this client's fault (its shutdown or
+# restart, an engine failure, its own limits): the session is lost, not refused.
+ENDED_ON_THE_SERVER = frozenset({"session_ended", "internal"})
 # A connect URL longer than this (a long persona, percent-encoded) goes the server's long-prompt
 # way: the prompt is stored with POST /api/prompts and the URL names it by `prompt_id` (servers
 # refuse request lines past 16 KiB by default; proxies often stop at 8 KiB).
@@ -120,6 +126,8 @@ class RemoteSession:
                     yield AgentFrame(text=message.text())
                 elif message.kind == Kind.ERROR:
                     kind = await _refusal_kind(self._ws)
+                    if kind in ENDED_ON_THE_SERVER:  # not this client's doing: a new session may work
+                        raise SessionLost(f"server ended the session: {message.text()}")
                     raise SessionRefused(f"server ended the session: {message.text()}", kind=kind)
                 # metadata, ping and unknown kinds carry nothing for the pipeline
         except ConnectionClosed:
@@ -225,11 +233,7 @@ class RemoteBackend:
                 compression=None,
             )
         except InvalidStatus as exc:
-            status = exc.response.status_code
-            if status in (401, 403, 404):
-                kind = "auth" if status in (401, 403) else "not_found"
-                raise SessionRefused(f"{where} refused the connection (HTTP {status})", kind=kind) from exc
-            raise BackendUnavailable(f"{where} answered HTTP {status}") from exc
+            raise _http_refusal(where, exc) from exc
         except InvalidURI as exc:
             raise SessionRefused(f"bad server url {where}: {exc}", kind="bad_url") from exc
         except (OSError, TimeoutError, InvalidHandshake) as exc:
@@ -269,6 +273,21 @@ class RemoteBackend:
             pass
         why = _close_text(ws)
         raise BackendUnavailable(f"{self.url} closed the connection before the session was ready ({why})")
+
+
+def _http_refusal(where: str, exc: InvalidStatus) -> SessionRefused | BackendUnavailable:
+    """The upgrade's HTTP answer as a refusal (4xx, or a server error the server named) or as
+    worth retrying (any other 5xx: a proxy, a restart)."""
+    response = exc.response
+    status = response.status_code
+    kind = response.headers.get("x-personaplex-error")
+    reason = (response.body or b"").decode("utf-8", "replace").strip()[:500]
+    said = f": {reason}" if reason else ""
+    if 400 <= status < 500 or kind is not None:
+        if kind is None:
+            kind = {401: "auth", 403: "auth", 404: "not_found"}.get(status, "refused")
+        return SessionRefused(f"{where} refused the connection (HTTP {status}){said}", kind=kind)
+    return BackendUnavailable(f"{where} answered HTTP {status}{said}")
 
 
 async def _refusal_kind(ws: ClientConnection) -> str:
