@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from personaplex_twilio.audio_path import CHUNK_BYTES, InboundAudio
-from personaplex_twilio.caller_audio import EARLY_AUDIO_BYTES, CallerAudio
+from personaplex_phone.audio_path import CHUNK_BYTES, InboundAudio
+from personaplex_phone.caller_audio import EARLY_AUDIO_S, CallerAudio
 
 from personaplex_voice.audio.mulaw import ulaw_encode
 from personaplex_voice.engine.base import FRAME_SIZE
@@ -62,7 +62,7 @@ def test_early_audio_beyond_the_bound_drops_the_oldest_counted():
     caller = CallerAudio(inbound_slack_ms=20)
     for i, message in enumerate(messages):
         caller.feed(message, i + 1, None)
-    kept = EARLY_AUDIO_BYTES // CHUNK_BYTES
+    kept = round(EARLY_AUDIO_S * 8000) // CHUNK_BYTES  # μ-law: a byte a sample
     assert caller.dropped == 75 - kept and caller.metrics()["inbound_dropped_before_ready"] == 75 - kept
     session = FakeSession(None)
     last = caller_messages(1, seed=9)[0]

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from personaplex_twilio.actions import ActionMatcher, ActionRule, parse_rules
+from personaplex_phone.actions import ActionMatcher, ActionRule, parse_rules
 
 log = logging.getLogger("personaplex_livekit.tool_rules")
 
