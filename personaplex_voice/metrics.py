@@ -185,12 +185,21 @@ CLOSE_REASONS = frozenset(
         "engine_lost",  # the engine (worker) serving it went away
         "frontend_lost",  # (engine worker) the front-end holding it went away
         "shutdown",
+        "saturated",  # waiting for a slot when the process ran out of real-time headroom (shed)
         "refused",  # the transport refused the caller after opening (bad input, too fast...)
         "slow_client",
         "transport_error",
         "other",
     }
 )
+# Why an open or a reservation was refused.
+REJECT_REASONS = frozenset(
+    {"full", "queue_full", "reserve_full", "bad_ticket", "saturated", "draining", "persona", "ticket", "other"}
+)
+# Audio a call lost, or silence put in it, to keep the frame clock: by where and why
+# (docs/capacity.md has the table). Engine side here; the phone call adds its playout's.
+DROP_REASONS = frozenset({"jitter_buffer", "input_bound", "slow_consumer", "other"})
+INSERT_REASONS = frozenset({"late_input", "other"})
 ENGINE_METHODS = frozenset({"start", "step", "release", "snapshot", "restore", "other"})
 TICKET_OUTCOMES = frozenset({"issued", "redeemed", "cancelled", "expired", "refused", "other"})
 
@@ -218,6 +227,8 @@ class SessionMetrics(InstrumentSet):
     jitter_dropped_frames: Counter
     catchup_frames: Counter
     catchup_silent_frames: Counter
+    audio_dropped: Counter
+    audio_inserted: Counter
     sessions_opened: Counter
     sessions_rejected: Counter
     sessions_closed: Counter
@@ -269,9 +280,24 @@ class SessionMetrics(InstrumentSet):
                 "catchup_silent_frames_total",
                 "Silent output frames of catch-up steps, not delivered (time already past)",
             ),
+            audio_dropped=Counter(
+                "audio_dropped_seconds_total",
+                "Call audio dropped to keep the frame clock, by reason",
+                label="reason",
+                allowed=DROP_REASONS,
+            ),
+            audio_inserted=Counter(
+                "audio_inserted_seconds_total",
+                "Silence put into calls to keep the frame clock, by reason",
+                label="reason",
+                allowed=INSERT_REASONS,
+            ),
             sessions_opened=Counter("sessions_opened_total", "Sessions admitted or queued"),
             sessions_rejected=Counter(
-                "sessions_rejected_total", "Opens refused for capacity", label="reason"
+                "sessions_rejected_total",
+                "Opens and reservations refused (no slot, a bad ticket, no real-time headroom), by reason",
+                label="reason",
+                allowed=REJECT_REASONS,
             ),
             sessions_closed=Counter(
                 "sessions_closed_total", "Sessions ended, by reason", label="reason", allowed=CLOSE_REASONS

@@ -20,25 +20,38 @@ See docs/sessions.md.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from personaplex_voice.engine.base import EngineError, Persona, VoiceInfo
+from personaplex_voice.engine.base import (
+    FRAME_SIZE,
+    SAMPLE_RATE,
+    EngineError,
+    Persona,
+    SaturatedError,
+    VoiceInfo,
+)
+from personaplex_voice.engine.headroom import Headroom, MediaMeter
 from personaplex_voice.engine.scheduler import SessionState, Ticket, TicketError
 from personaplex_voice.metrics import LabelledSnapshot
 
 __all__ = [
     "CallSession",
+    "Headroom",
+    "MediaMeter",
     "OutFrame",
+    "SaturatedError",
     "SessionClosed",
     "SessionHost",
     "SessionState",
     "Ticket",
     "TicketError",
+    "clock_slips",
     "pushed_samples",
+    "slips_warning",
 ]
 
 
@@ -80,6 +93,43 @@ def pushed_samples(pcm: np.ndarray) -> np.ndarray:
     return x
 
 
+FRAME_MS = 1000 * FRAME_SIZE / SAMPLE_RATE
+
+
+def clock_slips(counts: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """A session's audio lost, and silence put in, to keep the frame clock, in ms by reason, from
+    its stats counts: (dropped, inserted). Dropped: `jitter_buffer` (late input that arrived after
+    all, trimmed), `input_bound` (input beyond the backlog bound), `slow_consumer` (output its
+    reader did not take in time); inserted: `late_input` (silence fed for input not there at a
+    tick). Every reason is present, 0 when nothing happened."""
+    jitter = int(counts.get("jitter_dropped_frames") or 0)
+    bound = max(0, int(counts.get("dropped_input_samples") or 0) - jitter * FRAME_SIZE)
+    dropped = {
+        "jitter_buffer": jitter * FRAME_MS,
+        "input_bound": round(1000 * bound / SAMPLE_RATE, 1),
+        "slow_consumer": int(counts.get("dropped_output_frames") or 0) * FRAME_MS,
+    }
+    inserted = {"late_input": int(counts.get("late_frames") or 0) * FRAME_MS}
+    return dropped, inserted
+
+
+def slips_warning(dropped: dict[str, float], inserted: dict[str, float]) -> str:
+    """'lost N ms of audio (reason N, ...) and had M ms of silence put in (...) to keep the
+    frame clock', or "" when neither happened: the one WARNING a call that could not keep a
+    clean line logs when it ends."""
+    parts = []
+    for verb, amounts in (("lost", dropped), ("had", inserted)):
+        total = sum(amounts.values())
+        if total <= 0:
+            continue
+        detail = ", ".join(f"{reason} {ms:.0f} ms" for reason, ms in amounts.items() if ms > 0)
+        what = "of audio" if verb == "lost" else "of silence put in"
+        parts.append(f"{verb} {total:.0f} ms {what} ({detail})")
+    if not parts:
+        return ""
+    return " and ".join(parts) + " to keep the frame clock"
+
+
 @runtime_checkable
 class CallSession(Protocol):
     """One conversation, as every transport uses it (docs/sessions.md has the table)."""
@@ -108,7 +158,9 @@ class CallSession(Protocol):
     def close_reason(self) -> str | None: ...
 
     @property
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """Counts and timings (docs/sessions.md), `dropped_ms` and `inserted_ms` among them
+        (`clock_slips`)."""
 
     async def ready(self) -> None:
         """Until the prompt is in; raises PersonaError / EngineError / SessionClosed."""
@@ -157,7 +209,13 @@ class SessionHost(Protocol):
 
     @property
     def available(self) -> int:
-        """Slots an open without a ticket would get now (what /readyz reports)."""
+        """Slots an open without a ticket would get now (what /readyz reports; 0 while the
+        process has no real-time headroom left)."""
+
+    @property
+    def headroom(self) -> Headroom:
+        """This process's real-time headroom: transports time their media path on it
+        (`headroom.meter()`), the server runs its loop monitor into it."""
 
     @property
     def sessions(self) -> Sequence[CallSession]:
@@ -169,14 +227,18 @@ class SessionHost(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    async def open(self, persona: Persona | None = None, *, ticket: str | None = None) -> CallSession: ...
+    async def open(self, persona: Persona | None = None, *, ticket: str | None = None) -> CallSession:
+        """Raises PersonaError, CapacityError (`SaturatedError` when slots are free but the
+        process has no headroom left; a ticket's open is never refused for that), TicketError."""
 
-    def reserve(self, ttl_s: float = 20.0, persona: Persona | None = None) -> Ticket: ...
+    def reserve(self, ttl_s: float = 20.0, persona: Persona | None = None) -> Ticket:
+        """A slot for a later `open(None, ticket=...)`; raises CapacityError (SaturatedError)."""
 
     def cancel(self, ticket_id: str) -> bool: ...
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """(a new open without a ticket would start now, the body /readyz answers with)."""
+        """(a new open without a ticket would start now, the body /readyz answers with: its
+        `status` is `ready`, `full`, `saturated`, `loading` or `draining`)."""
 
     def describe(self) -> dict[str, Any]:
         """Where sessions run: the body of /api/cluster."""

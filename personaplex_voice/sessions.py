@@ -30,13 +30,16 @@ import numpy as np
 from personaplex_voice.audio.framing import FrameBuffer
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
+    SAMPLE_RATE,
     Engine,
     EngineError,
     Persona,
     PersonaError,
     PreparedPersona,
+    SaturatedError,
     VoiceInfo,
 )
+from personaplex_voice.engine.headroom import DISABLED, Headroom, HeadroomConfig, Verdict
 from personaplex_voice.engine.jitter import SpareTrimmer
 from personaplex_voice.engine.persona_cache import PersonaCache
 from personaplex_voice.engine.scheduler import (
@@ -51,7 +54,7 @@ from personaplex_voice.engine.scheduler import (
 )
 from personaplex_voice.engine.start_burst import StartBurst
 from personaplex_voice.metrics import LabelledSnapshot, SessionMetrics
-from personaplex_voice.session_api import OutFrame, SessionClosed, occupancy, pushed_samples
+from personaplex_voice.session_api import OutFrame, SessionClosed, clock_slips, occupancy, pushed_samples
 
 __all__ = [
     "OutFrame",
@@ -297,6 +300,7 @@ class Session:
     def stats(self) -> dict[str, Any]:
         counts, backlog, queued_out = self._stream.sizes()
         record = self._record
+        dropped, inserted = clock_slips(counts)
         return {
             "id": self.id,
             "state": record.state.value,
@@ -310,6 +314,8 @@ class Session:
             "prefill_ms": None if record.prefill_s is None else record.prefill_s * 1000.0,
             "queue_wait_ms": None if record.queue_wait_s is None else record.queue_wait_s * 1000.0,
             "duration_s": counts["frames_out"] * FRAME_SECONDS,
+            "dropped_ms": dropped,
+            "inserted_ms": inserted,
         }
 
     # ---- the API ----------------------------------------------------------------------------
@@ -346,6 +352,7 @@ class Session:
             if self._record.state is not SessionState.RUNNING:
                 self._stream.count_pre_ready(dropped)
             self._manager.metrics.dropped_input_samples.inc(dropped)
+            self._manager.metrics.audio_dropped.inc(dropped / SAMPLE_RATE, label="input_bound")
         self._scheduler.input_arrived()
 
     def end_input(self) -> None:
@@ -394,6 +401,9 @@ class SessionManager:
     of `SchedulerConfig.create` (realtime, max_queue, max_call_s, idle_timeout_s, late_wait_s,
     input_slack_s, input_settle_s, max_input_s, output_frames, lossless, retry_after_s,
     frame_period_s, max_catchup_ticks); `cache_bytes` is the persona cache's budget (0: off).
+    `headroom`: the saturation policy's knobs (engine/headroom.py; realtime managers only, None
+    for the defaults); while the process has no real-time headroom, `open` without a ticket and
+    `reserve` raise `SaturatedError` and the sessions waiting in the queue are shed.
     """
 
     def __init__(
@@ -403,6 +413,7 @@ class SessionManager:
         *,
         cache_bytes: int = 1 << 30,
         clock: Clock | None = None,
+        headroom: HeadroomConfig | None = None,
         **options: Any,
     ):
         if config is not None and options:
@@ -412,6 +423,15 @@ class SessionManager:
         self.metrics = SessionMetrics.create()
         self.cache = PersonaCache(cache_bytes)
         self.scheduler = Scheduler(engine, self.config, metrics=self.metrics, cache=self.cache, clock=clock)
+        scheduler = self.scheduler
+        self.headroom = Headroom(
+            headroom if self.config.realtime else DISABLED,
+            now=scheduler.clock.now,
+            engine=scheduler.engine_load,
+            active=lambda: scheduler.held_count,
+            retry_after_s=self.config.retry_after_s,
+        )
+        self.headroom.on_change(self._saturation_changed)
         self._shut_down = False  # open() does not restart a manager that was shut down
         self._prepare_pool: ThreadPoolExecutor | None = None  # made by start(), ended by shutdown()
 
@@ -445,7 +465,10 @@ class SessionManager:
 
     @property
     def available(self) -> int:
-        """Slots an `open` without a ticket could take now (0 = it would queue or be refused)."""
+        """Slots an `open` without a ticket could take now (0 = it would queue or be refused;
+        0 too while the process has no real-time headroom)."""
+        if self.headroom.refusing:
+            return 0
         return self.scheduler.available
 
     @property
@@ -481,14 +504,17 @@ class SessionManager:
 
     async def open(self, persona: Persona | None = None, *, ticket: str | None = None) -> Session:
         """Admit a conversation. Returns at once (prefill happens on the inference thread; await
-        `session.ready()`). Raises PersonaError for a bad persona, CapacityError when full,
-        TicketError for a ticket that is unknown, expired or used.
+        `session.ready()`). Raises PersonaError for a bad persona, CapacityError when full
+        (SaturatedError when the process has no real-time headroom left), TicketError for a
+        ticket that is unknown, expired or used.
 
         With `ticket` (from `reserve`) the session takes the slot set aside for it, ahead of any
         queue; `persona` may then be None to use the ticket's.
         """
         if self._shut_down:
             raise EngineError("the session manager is shutting down")
+        if ticket is None:
+            self._check_headroom()  # a ticket's call was admitted when it was reserved
         await self.start()
         scheduler = self.scheduler
         reserved = scheduler.redeem(ticket) if ticket is not None else None
@@ -508,6 +534,8 @@ class SessionManager:
             raise
         session = Session(self, prepared)
         scheduler.add(session.record, redeemed=reserved is not None)
+        if reserved is None:
+            self.headroom.admitted()
         return session
 
     def reserve(
@@ -523,7 +551,10 @@ class SessionManager:
         """
         if self._shut_down:
             raise EngineError("the session manager is shutting down")
-        return self.scheduler.reserve(ttl_s, persona, ticket_id)
+        self._check_headroom()
+        ticket = self.scheduler.reserve(ttl_s, persona, ticket_id)
+        self.headroom.admitted()
+        return ticket
 
     def cancel(self, ticket_id: str) -> bool:
         """Give a reserved slot back (e.g. the call it was for hung up first). True when the
@@ -534,13 +565,43 @@ class SessionManager:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         counts = occupancy(self)
+        headroom = self.headroom.describe()
+        if headroom["saturated"]:
+            return False, {"status": "saturated", **counts, "headroom": headroom}
         if counts["available"] <= 0:
-            return False, {"status": "full", **counts}
-        return True, {"status": "ready", **counts}
+            return False, {"status": "full", **counts, "headroom": headroom}
+        return True, {"status": "ready", **counts, "headroom": headroom}
 
     def describe(self) -> dict[str, Any]:
         frontend = {"id": "embedded", "pid": os.getpid(), "torch_loaded": "torch" in sys.modules}
-        return {"mode": "embedded", "frontend": frontend, **occupancy(self)}
+        return {
+            "mode": "embedded",
+            "frontend": frontend,
+            **occupancy(self),
+            "headroom": self.headroom.describe(),
+        }
 
     def metrics_snapshots(self) -> list[LabelledSnapshot]:
-        return [LabelledSnapshot({}, self.metrics.snapshot())]
+        return [LabelledSnapshot({}, {**self.metrics.snapshot(), **self.headroom.metrics.snapshot()})]
+
+    # ---- saturation ------------------------------------------------------------------------------
+
+    def _check_headroom(self) -> None:
+        try:
+            self.headroom.check()
+        except SaturatedError:
+            self.metrics.sessions_rejected.inc(label="saturated")
+            raise
+
+    def _saturation_changed(self, saturated: bool, verdict: Verdict) -> None:
+        """Saturated: the sessions waiting for a slot are told so now ("saturated"), rather than
+        admitted into a process that cannot carry them (their callers may go elsewhere)."""
+        if not saturated:
+            return
+        for record in self.scheduler.records:
+            if record.state is SessionState.QUEUED:
+                error = SaturatedError(
+                    f"this server ran out of real-time headroom ({verdict.why}) while the call waited",
+                    retry_after_s=self.config.retry_after_s,
+                )
+                self.scheduler.abort(record, "saturated", error)

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from personaplex_voice import serve_command
+from personaplex_voice.engine.headroom import HeadroomConfig
 from personaplex_voice.errors import UserError
 from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server import run as server_run
@@ -63,6 +64,7 @@ def test_serve_flags_and_env_reach_the_settings(monkeypatch, tmp_path):
         "idle_timeout_s": None,  # 0 from the environment: never
         "cache_bytes": 16 << 20,
         "start_burst_s": None,  # the session's input bound
+        "headroom": HeadroomConfig(),  # saturation on, the documented levels
     }
     run = CliRunner().invoke(cli, ["--voice-dir", str(weights), "--voice-prompt-dir", str(tmp_path)])
     assert run.exit_code != 0 and "different directories" in str(run.exception)

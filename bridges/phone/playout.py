@@ -10,7 +10,10 @@ stays bounded. The messages themselves are the carrier's (its StreamWire formats
 
 Hooks let the call see what goes out without owning any of it: `on_frame` gets every session
 frame as it is read (its text piece, its pcm), `on_sent` every payload with the time the carrier
-will start playing it (the recording's agent channel is placed there).
+will start playing it (the recording's agent channel is placed there), `on_slip` every drop
+(the outbox over its bound) and every silence the caller heard because we were late (the
+carrier's buffer ran dry, then the cushion that refilled it): nothing is lost silently.
+`meter` times the conversion of each frame (the call's media path, engine/headroom.py).
 
 Barge-in (`barge_in`, asked for by the stream when the caller starts talking over the agent):
 the pacer, the only writer, drops what it still holds and sends the carrier's `clear` before it
@@ -38,6 +41,7 @@ from .playback_buffer import CHUNK_S, FrameJitter, MarkTracker, PlaybackClock, p
 
 OnFrame = Callable[[Any], None]  # a session OutFrame
 OnSent = Callable[[bytes, float], None]  # (payload, monotonic time the carrier starts playing it)
+OnSlip = Callable[[bool, str, float], None]  # (dropped, not inserted; reason; seconds of audio)
 # An engine frame at least this loud (RMS, dBFS) is the agent talking: while any of it is still
 # to be heard, a caller who starts talking barges in.
 AUDIBLE_DB = -40.0
@@ -58,10 +62,14 @@ class Playout:
         max_buffered_ms: float,
         on_frame: OnFrame | None = None,
         on_sent: OnSent | None = None,
+        meter: Any = None,
+        on_slip: OnSlip | None = None,
     ):
         self._send = send
         self._on_frame = on_frame
         self._on_sent = on_sent
+        self._meter = meter  # a MediaMeter (`add(seconds)`), or None
+        self._on_slip = on_slip
         self.messages: StreamWire | None = None  # set by `start_stream`
         self.outbound = OutboundAudio()
         self._silence = silence_chunk(MULAW_8K)
@@ -77,6 +85,8 @@ class Playout:
         self._pace_in(CHUNK_S)
         self.frames_out = 0
         self.out_dropped = 0
+        self.dropped_ms = 0.0  # audio dropped from the outbox (over `max_buffered_ms`)
+        self.inserted_ms = 0.0  # silence the caller heard mid-call because we came late
         self.max_send_gap_s = 0.0  # longest wait between two of our media messages
         self._last_send = 0.0
         # Which outbox payloads are the agent talking (in outbox order), and how many; when the
@@ -171,6 +181,7 @@ class Playout:
     async def _read_frames(self, session: Any) -> None:
         try:
             async for out in session.frames():
+                started = time.perf_counter()
                 self.jitter.frame(time.monotonic())
                 if self._on_frame is not None:
                     self._on_frame(out)
@@ -187,10 +198,21 @@ class Playout:
                         self._take_voiced()
                         self._outbox_chunks -= 1
                         self.out_dropped += 1
+                        self._slip(True, "playout_overflow", self.clock.message_s)
                 self._outbox_ready.set()
+                if self._meter is not None:
+                    self._meter.add(time.perf_counter() - started)
         finally:
             self._frames_done = True
             self._outbox_ready.set()
+
+    def _slip(self, dropped: bool, reason: str, seconds: float) -> None:
+        if dropped:
+            self.dropped_ms += 1000 * seconds
+        else:
+            self.inserted_ms += 1000 * seconds
+        if self._on_slip is not None:
+            self._on_slip(dropped, reason, seconds)
 
     def _take_voiced(self) -> bool:
         voiced = self._voiced.popleft()
@@ -220,12 +242,16 @@ class Playout:
                     await self._send(mark)
                     self.marks.add(item, self.clock.sent_s)
                 continue
-            if self.clock.needs_prime(time.monotonic()):
+            now = time.monotonic()
+            if self.clock.needs_prime(now):
                 if self.clock.started:
                     # The carrier ran dry: this call's engine frames come later than the cushion
-                    # covers. Grow it by a message (up to the limit), like a jitter buffer.
+                    # covers. Grow it by a message (up to the limit), like a jitter buffer. The
+                    # caller heard silence since it ran dry, and hears the new cushion's.
                     self._cushion_chunks = min(self._cushion_chunks + 1, self._max_cushion_chunks)
                     self.clock.target_s = (self._cushion_chunks + 1) * self.clock.message_s
+                    gap = max(0.0, now - self.clock.play_end)
+                    self._slip(False, "playout_underrun", gap + self._cushion_chunks * self.clock.message_s)
                 for _ in range(self._cushion_chunks):
                     await self._send_chunk(self._silence, False)
             await self._send_chunk(item, voiced)
@@ -274,6 +300,7 @@ class Playout:
             "late_frames": self.clock.underruns,
             "max_send_gap_ms": round(self.max_send_gap_s * 1000, 1),
             "outbound_dropped": self.out_dropped,
+            "message_ms": round(self.clock.message_s * 1000),
             "playout_cushion_ms": round(self._cushion_chunks * self.clock.message_s * 1000),
             "jitter_p50_ms": round(self.jitter.p50_ms(), 2),
             "jitter_p99_ms": round(self.jitter.p99_ms(), 2),

@@ -32,8 +32,9 @@ from urllib.parse import parse_qsl
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 
-from personaplex_voice.engine.base import CapacityError, Persona, PersonaError
+from personaplex_voice.engine.base import CapacityError, Persona, PersonaError, SaturatedError
 from personaplex_voice.errors import UserError
+from personaplex_voice.metrics import LabelledSnapshot
 from personaplex_voice.session_api import SessionHost
 
 from .audio_path import InboundAudio, OutboundAudio
@@ -52,6 +53,7 @@ from .config import PhoneSettings
 from .context import CALL_FACTS, facts_body, fetch_context, pick_declared
 from .http_out import HttpOut
 from .link import StreamLink, WebSocketLink
+from .metrics import PhoneMetrics
 from .personas import RESERVED_QUERY, PersonaBook, PersonaSpec
 from .phone_call import CallOutputs, Parking, PhoneCall
 from .records import RecordStore
@@ -152,6 +154,10 @@ class PhoneService:
         self.http = HttpOut()
         self.rest = RestClient(settings.rest_timeout_s)
         self.docs = InstructionDocs()
+        self.metrics = PhoneMetrics.create()
+        sources = getattr(app.state, "metric_sources", None)
+        if sources is not None:  # the server's /metrics exports ours too
+            sources.append(lambda: [LabelledSnapshot({}, self.metrics.snapshot())])
         self.webhooks = PostCallWebhooks(
             self.http,
             retry_for_s=settings.webhook_retry_s,
@@ -177,6 +183,7 @@ class PhoneService:
             self.outputs,
             self.parking,
             admit=self.admit_stream,
+            metrics=self.metrics,
         )
         # Records of earlier runs (newest first), for the call list; this run's are in the registry.
         self.past: list[dict[str, Any]] = self.store.recent(HISTORY) if recordings else []
@@ -312,6 +319,7 @@ class PhoneService:
             return outstanding.answer
         if call_id and self.registry.is_ended(call_id):
             log.warning("%s: call %s is over: its answer webhook gets no stream", carrier.name, call_id)
+            self.metrics.refusals.inc(label="ended")
             return carrier.answer_refusal(ENDED_MESSAGE, busy=False)
         try:
             admission = await self._admit(carrier, facts, query, journal)
@@ -339,6 +347,7 @@ class PhoneService:
             call_id, carrier.name, "stream-open", direction=facts.direction, from_=facts.from_, to=facts.to
         )
         if call_id and self.registry.is_ended(call_id):
+            self.metrics.refusals.inc(label="ended")
             raise Refused(ENDED_MESSAGE)
         # The platform's values choose the persona (`persona`) and fill its template; the
         # outbound/resume tokens are our own answers' and cannot come this way.
@@ -357,11 +366,16 @@ class PhoneService:
         except PersonaError as exc:
             log.warning("%s: call %s has no usable persona: %s", carrier.name, call_id, exc)
             journal.refused(f"persona: {exc}")
+            self.metrics.refusals.inc(label="unconfigured")
             raise Refused(UNCONFIGURED_MESSAGE) from None
         journal.set_persona(persona_name)
         manager = self.manager
-        if manager is None or manager.available <= 0:  # full: no context lookup for a busy line
-            raise self._busy(carrier.name, call_id)
+        if manager is None:
+            raise self._busy(carrier.name, call_id, "loading")
+        if manager.headroom.refusing:  # no real-time headroom: the calls it carries come first
+            raise self._busy(carrier.name, call_id, "saturated")
+        if manager.available <= 0:  # full: no context lookup for a busy line
+            raise self._busy(carrier.name, call_id, "full")
         flow = pick_declared({k: v for k, v in query.items() if k not in RESERVED_QUERY}, spec.variables)
         values = await self._call_values(spec, facts, flow)
         persona = spec.render({**values, "From": facts.from_, "To": facts.to, "CallSid": call_id})
@@ -375,12 +389,20 @@ class PhoneService:
         try:
             ttl_s = self.settings.stream_connect_timeout_s
             ticket = manager.reserve(ttl_s=ttl_s, persona=persona)
+        except SaturatedError:
+            raise self._busy(carrier.name, call_id, "saturated") from None
         except CapacityError:
-            raise self._busy(carrier.name, call_id) from None
+            raise self._busy(carrier.name, call_id, "full") from None
         return _Admission(ticket.id, persona_name, flow, values, time.monotonic() + ttl_s)
 
-    def _busy(self, carrier: str, call_id: str) -> Refused:
-        self.registry.status(call_id, carrier, "busy").refused("busy")
+    def _busy(self, carrier: str, call_id: str, why: str) -> Refused:
+        """The carrier's busy answer. `why`: `full` (every slot taken), `saturated` (slots free,
+        but the server cannot carry another call in real time), `loading`; in the record and in
+        `phone_refusals_total`."""
+        self.registry.status(call_id, carrier, "busy").refused("busy" if why == "full" else f"busy ({why})")
+        self.metrics.refusals.inc(label=why)
+        if why == "saturated":
+            log.info("%s: call %s answered busy: no real-time headroom left", carrier, call_id)
         return Refused(self.settings.busy_message, busy=True)
 
     def _persona_for_call(

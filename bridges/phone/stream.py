@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from personaplex_voice.engine.base import CapacityError, Persona
-from personaplex_voice.session_api import CallSession, SessionHost, TicketError
+from personaplex_voice.session_api import CallSession, MediaMeter, SessionHost, TicketError, slips_warning
 
 from .actions import ActionRule
 from .barge_in import BargeIn
@@ -81,6 +81,7 @@ from .carrier import (
 )
 from .config import PhoneSettings
 from .link import LinkClosed, StreamLink
+from .metrics import PhoneMetrics
 from .personas import DEFAULT_NAME, PersonaBook, PersonaSpec, plain_spec
 from .phone_call import CallOutputs, Parking, PhoneCall
 from .playout import Playout, SendFailed
@@ -130,6 +131,7 @@ class CallServices:
     # Streams that are the call's arrival (no answer webhook): admit the call at its start and
     # return its ticket, or raise Refused.
     admit: Callable[[Carrier, StreamStart], Awaitable[str]] | None = None
+    metrics: PhoneMetrics | None = None  # the phone call's /metrics (dropped and inserted audio)
 
 
 def level_db(pcm: np.ndarray | None) -> float:
@@ -185,6 +187,10 @@ class PhoneStream:
         self.session: CallSession | None = None
         self.session_ready = False
         self.caller = CallerAudio(settings.inbound_slack_ms)
+        # This call's media-path time (each caller message handled, each agent frame converted),
+        # added to the process's headroom (docs/capacity.md).
+        host = services.manager()
+        self.media = host.headroom.meter() if host is not None else MediaMeter(None)
         self.playout = Playout(
             self._send,
             max_queued_ms=settings.max_queued_ms,
@@ -192,6 +198,8 @@ class PhoneStream:
             max_buffered_ms=settings.max_buffered_ms,
             on_frame=self._on_agent_frame,
             on_sent=self._on_agent_sent,
+            meter=self.media,
+            on_slip=self._on_slip,
         )
         barge_in = settings.barge_in
         if barge_in is None:
@@ -279,21 +287,28 @@ class PhoneStream:
         # ends on the server interrupt it through `_end`.
         self._receiving = True
         limit = self.settings.max_message_bytes
+        meter = self.media
         while True:
             if self._ended is not None:
                 raise self._ended
             raw = await self.link.receive()
+            started = time.perf_counter()  # the media path's time: parsing and handling, no awaits
             size = len(raw.get("text") or raw.get("bytes") or b"")
             if size > limit:
                 raise ProtocolError(f"message of {size} bytes exceeds {limit}", CLOSE_TOO_BIG)
             event = self.wire.parse(raw)
+            spent = time.perf_counter() - started
             if self._replies:
                 await self._send_replies()
             if event is None:
+                meter.add(spent)
                 continue
             if isinstance(event, StreamStart) and not self.ticket and not self._started:
                 await self._admit(event)
-            if self._handle(event):
+            started = time.perf_counter()
+            done = self._handle(event)
+            meter.add(spent + time.perf_counter() - started)
+            if done:
                 return
 
     async def _send_replies(self) -> None:
@@ -490,6 +505,11 @@ class PhoneStream:
             for rule, phrase in self.call.agent_text(out.text, out.index, time.monotonic()):
                 self._act(rule, f"agent said {phrase!r}")
 
+    def _on_slip(self, dropped: bool, reason: str, seconds: float) -> None:
+        metrics = self.services.metrics
+        if metrics is not None:
+            (metrics.audio_dropped if dropped else metrics.audio_inserted).inc(seconds, label=reason)
+
     def _on_agent_sent(self, chunk: bytes, plays_at: float) -> None:
         if self.call is not None and self.call.records_audio:
             self.call.agent_sent(self.playout.outbound.decode(chunk), plays_at)
@@ -592,6 +612,9 @@ class PhoneStream:
             reason,
             json.dumps(metrics, default=str),
         )
+        warning = slips_warning(metrics["dropped_ms"], metrics["inserted_ms"])
+        if warning:
+            log.warning("%s %s: call %s %s", self.name, self.stream_sid, self.call_sid, warning)
 
     async def _farewell(self, reason: str) -> None:
         """The wire's last words, where its protocol has them (Genesys's `disconnect`), then what
@@ -631,13 +654,28 @@ class PhoneStream:
     # --- what the call list and the calls page show ----------------------------------------
     def metrics(self) -> dict[str, Any]:
         stats = getattr(self.session, "stats", None) if self.session is not None else None
+        duration = time.monotonic() - self.started_at
+        dropped, inserted = self.slips(stats if isinstance(stats, dict) else None)
         return {
-            "duration_s": round(time.monotonic() - self.started_at, 3),
+            "duration_s": round(duration, 3),
             **self.caller.metrics(),
             **self.playout.metrics(),
+            **self.media.summary(duration),
+            "dropped_ms": dropped,
+            "inserted_ms": inserted,
             "dtmf": "".join(self.dtmf),
             "session": dict(stats) if isinstance(stats, dict) else None,
         }
+
+    def slips(self, stats: dict[str, Any] | None) -> tuple[dict[str, float], dict[str, float]]:
+        """Audio this call lost, and silence put in it, to keep the clock (ms by reason): the
+        session's (engine side) and this stream's (its playout; caller audio past the early bound)."""
+        dropped = {k: float(v) for k, v in ((stats or {}).get("dropped_ms") or {}).items()}
+        inserted = {k: float(v) for k, v in ((stats or {}).get("inserted_ms") or {}).items()}
+        dropped["playout_overflow"] = self.playout.dropped_ms
+        dropped["early_audio"] = float(self.caller.dropped * CHUNK_MS)
+        inserted["playout_underrun"] = self.playout.inserted_ms
+        return dropped, inserted
 
     def live_view(self) -> dict[str, Any]:
         record = self.record
@@ -656,4 +694,14 @@ class PhoneStream:
             "transcript_pieces": len(record.transcript) if record is not None else 0,
             "actions": len(record.actions) if record is not None else 0,
             "recording": bool(getattr(record, "recording", False)),
+            **self._slip_totals(),
+            **self.media.summary(time.monotonic() - self.started_at),
+        }
+
+    def _slip_totals(self) -> dict[str, float]:
+        stats = getattr(self.session, "stats", None) if self.session is not None else None
+        dropped, inserted = self.slips(stats if isinstance(stats, dict) else None)
+        return {
+            "dropped_ms": round(sum(dropped.values()), 1),
+            "inserted_ms": round(sum(inserted.values()), 1),
         }

@@ -8,6 +8,7 @@ playout, actions, records) is personaplex_phone's.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from personaplex_phone import carrier as phone
@@ -38,10 +39,12 @@ TERMINAL_STATUSES = {"completed", "busy", "failed", "no-answer", "canceled"}
 
 
 class TwilioWire:
-    """One Media Stream's messages (wire.py's parsing, as the phone call's events)."""
+    """One Media Stream's messages (wire.py's parsing, as the phone call's events). Our media
+    messages carry `message_ms` of audio each (Twilio's own are 20 ms)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, message_ms: int = phone.CHUNK_MS):
         self.max_bytes = max_bytes
+        self.outbound = replace(MULAW_8K, message_ms=message_ms)
         self.stream_sid = ""
         self.messages = wire.OutboundMessages("")
 
@@ -63,7 +66,7 @@ class TwilioWire:
             self.stream_sid = start.stream_sid
             self.messages = wire.OutboundMessages(start.stream_sid)
             return StreamStart(
-                start.stream_sid, start.call_sid, MULAW_8K, MULAW_8K, params=start.custom_parameters
+                start.stream_sid, start.call_sid, MULAW_8K, self.outbound, params=start.custom_parameters
             )
         if not self.stream_sid:
             raise ProtocolError(f"`{event}` before `start`")
@@ -151,6 +154,11 @@ class TwilioCarrier:
         return Reply(twiml.connect_stream(stream_url, params), XML)
 
     def answer_refusal(self, message: str, busy: bool) -> Reply:
+        fallback = self.settings.busy_twiml if busy else ""
+        if fallback.startswith(("http://", "https://")):
+            return Reply(twiml.redirect(fallback), XML)
+        if fallback:
+            return Reply(fallback, XML)
         return Reply(twiml.say_and_hang_up(message), XML)
 
     def engine_lost(self, apology: str) -> list[phone.Step]:
@@ -162,7 +170,7 @@ class TwilioCarrier:
         return [phone.Say(apology), phone.Hangup()]
 
     def new_wire(self) -> TwilioWire:
-        return TwilioWire(self.max_message_bytes)
+        return TwilioWire(self.max_message_bytes, self.settings.message_ms)
 
     def routes(self, service: Any) -> Any:
         from .outbound import twilio_routes

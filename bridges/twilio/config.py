@@ -33,13 +33,24 @@ class TwilioSettings(PhoneSettings):
     # A call whose engine worker died follows this instead of hearing `engine_lost_message`: an
     # http(s) URL of your TwiML, or TwiML text.
     engine_lost_twiml: str = ""
+    # A caller turned away busy (every slot taken, or no real-time headroom left) gets this
+    # instead of hearing `busy_message`: an http(s) URL of your TwiML (another site, a queue, a
+    # voicemail), or TwiML text.
+    busy_twiml: str = ""
+    # Our audio to Twilio in media messages of this many ms (a multiple of 20). Longer messages
+    # cost the server less (fewer WebSocket messages); marks still follow every 80 ms frame.
+    # docs/capacity.md has the measurements; beyond 40 the audio Twilio holds passes the 100 ms
+    # barge-in bound.
+    message_ms: int = Field(20, ge=20, le=80, multiple_of=20)
 
-    @field_validator("engine_lost_twiml")
+    @field_validator("engine_lost_twiml", "busy_twiml")
     @classmethod
     def _check_fallback(cls, value: str) -> str:
         value = value.strip()
         if value and not value.startswith(("http://", "https://", "<")):
-            raise ValueError("ENGINE_LOST_TWIML must be an http(s) URL or TwiML text (<Response>…)")
+            raise ValueError(
+                "ENGINE_LOST_TWIML and BUSY_TWIML must be an http(s) URL or TwiML text (<Response>…)"
+            )
         return value
 
     def check(self) -> None:

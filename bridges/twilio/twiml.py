@@ -37,6 +37,13 @@ def say_and_hang_up(message: str) -> str:
     return str(response)
 
 
+def redirect(url: str) -> str:
+    """Hand the call to the TwiML at `url` (a fallback of the user's)."""
+    response = VoiceResponse()
+    response.redirect(url, method="POST")
+    return str(response)
+
+
 def say_or_play(response: VoiceResponse, say: str | None, play_url: str | None) -> None:
     if say:
         response.say(say)

@@ -14,6 +14,10 @@ changes for them.
   one message each, into a bounded queue per session.
 - Capacity, occupancy, reservations and readiness are cluster-wide: they sum what every worker
   last reported (its STATUS, every 250 ms) and what this front-end has in flight.
+- Saturation (engine/headroom.py): a worker that reports no real-time headroom is skipped by
+  placement; this front-end measures its own (its loop's lag and load, the calls' media path)
+  and refuses new calls (`SaturatedError`) before its loop lags, so the calls it carries keep
+  their line. `/readyz` says `saturated` when either leaves no call room.
 - A worker whose connection ends ends its sessions here at once with close reason
   "engine_lost"; new sessions go to the other workers; the link reconnects when it is back.
 - `reserve(ttl_s)` mints the ticket id (`<worker>.<random>`) and the worker reserves under that
@@ -48,8 +52,10 @@ from personaplex_voice.engine.base import (
     EngineError,
     Persona,
     PersonaError,
+    SaturatedError,
     VoiceInfo,
 )
+from personaplex_voice.engine.headroom import Headroom, HeadroomConfig
 from personaplex_voice.engine.scheduler import (
     SessionState,
     Ticket,
@@ -58,7 +64,15 @@ from personaplex_voice.engine.scheduler import (
     default_max_input_s,
     new_ticket_id,
 )
-from personaplex_voice.metrics import CLOSE_REASONS, Counter, Gauge, InstrumentSet, LabelledSnapshot
+from personaplex_voice.metrics import (
+    CLOSE_REASONS,
+    DROP_REASONS,
+    REJECT_REASONS,
+    Counter,
+    Gauge,
+    InstrumentSet,
+    LabelledSnapshot,
+)
 from personaplex_voice.session_api import SessionClosed, occupancy
 
 log = logging.getLogger("personaplex_voice.cluster.client")
@@ -75,6 +89,7 @@ class FrontendMetrics(InstrumentSet):
     sessions_opened: Counter
     sessions_rejected: Counter
     sessions_closed: Counter
+    audio_dropped: Counter
     engine_lost_sessions: Counter
     queued_sessions: Gauge
     local_sessions: Gauge
@@ -87,13 +102,22 @@ class FrontendMetrics(InstrumentSet):
                 "frontend_sessions_opened_total", "Sessions this front-end placed or queued"
             ),
             sessions_rejected=Counter(
-                "frontend_sessions_rejected_total", "Opens this front-end refused, by reason", label="reason"
+                "frontend_sessions_rejected_total",
+                "Opens and reservations this front-end refused, by reason",
+                label="reason",
+                allowed=REJECT_REASONS,
             ),
             sessions_closed=Counter(
                 "frontend_sessions_closed_total",
                 "Sessions of this front-end ended, by reason",
                 label="reason",
                 allowed=CLOSE_REASONS,
+            ),
+            audio_dropped=Counter(
+                "frontend_audio_dropped_seconds_total",
+                "Call audio this front-end dropped (a slow consumer, input over its bound), by reason",
+                label="reason",
+                allowed=DROP_REASONS,
             ),
             engine_lost_sessions=Counter(
                 "frontend_engine_lost_sessions_total", "Sessions ended because their engine worker went away"
@@ -114,6 +138,7 @@ class ClusterClient:
     (Ray discovery answers with the actor's new address after a restart). `add_discovery(fn)`
     runs `fn(client)` as a task from `start` (it adds and removes workers as it finds them).
     `realtime` must match the workers' mode (it sets the default input bound, as a manager's).
+    `headroom`: this front-end's saturation policy (None: the defaults; realtime only).
     """
 
     def __init__(
@@ -127,6 +152,7 @@ class ClusterClient:
         retry_after_s: float = 5.0,
         peer_timeout_s: float = 3.0,
         fallback_name: str = "cluster",
+        headroom: HeadroomConfig | None = None,
     ):
         if max_input_s is None:
             max_input_s = default_max_input_s(realtime)
@@ -140,6 +166,14 @@ class ClusterClient:
         )
         self.identity = Identity(frontend_id, host_identity(), peer_timeout_s)
         self.metrics = FrontendMetrics.create()
+        self._headroom = Headroom(
+            headroom if realtime else HeadroomConfig(enabled=False),
+            active=lambda: len(self._sessions),
+            metrics_prefix="frontend_",
+            retry_after_s=retry_after_s,
+            name=f"front-end {frontend_id}",
+        )
+        self._headroom.on_change(self._saturation_changed)
         self.output_hops = HopSamples()
         self.draining = False
         self._links: dict[str, WorkerLink] = {}
@@ -245,10 +279,16 @@ class ClusterClient:
 
     @property
     def available(self) -> int:
-        """Slots an unticketed open could take now, cluster-wide (0 while draining)."""
-        if self.draining:
+        """Slots an unticketed open could take now, cluster-wide (0 while draining, or while
+        this front-end has no real-time headroom; a saturated worker reports none itself)."""
+        if self.draining or self._headroom.refusing:
             return 0
-        return sum(max(0, link.free) for link in self.links_up())
+        return sum(max(0, link.free) for link in self.links_up() if not link.saturated)
+
+    @property
+    def headroom(self) -> Headroom:
+        """This front-end's own headroom (its event loop, its calls' media path)."""
+        return self._headroom
 
     @property
     def sessions(self) -> list[RemoteSession]:
@@ -309,12 +349,17 @@ class ClusterClient:
             raise CapacityError("this server is draining for a restart; retry in 1 s", retry_after_s=1.0)
         if persona is None and ticket is None:
             raise PersonaError("no persona given (and no ticket carrying one)")
+        if ticket is None:
+            self._check_headroom()
         assert self._loop is not None
-        session = RemoteSession(self.session_config, persona, loop=self._loop, on_end=self._session_ended)
+        session = RemoteSession(
+            self.session_config, persona, loop=self._loop, on_end=self._session_ended, on_drop=self._dropped
+        )
         if ticket is not None:
             await self._open_with_ticket(session, ticket)
         else:
             await self._open_anywhere(session)
+            self._headroom.admitted()
         return session
 
     def reserve(self, ttl_s: float = 20.0, persona: Persona | None = None) -> Ticket:
@@ -324,11 +369,14 @@ class ClusterClient:
         it find itself full meanwhile, redeeming the ticket raises TicketError."""
         if not 0.0 < ttl_s <= 3600.0:
             raise ValueError(f"ttl_s must be in (0, 3600], got {ttl_s}")
+        self._check_headroom()
         link = self._choose(None) if not self.draining else None
         if link is None:
-            self.metrics.sessions_rejected.inc(label="full")
-            raise self._refusal()[1]
+            reason, error = self._refusal()
+            self.metrics.sessions_rejected.inc(label="reserve_full" if reason == "full" else reason)
+            raise error
         ticket = Ticket(f"{link.worker_id}.{new_ticket_id()}", time.monotonic() + ttl_s, persona)
+        self._headroom.admitted()
         link.reserve(
             {
                 "ticket": ticket.id,
@@ -354,7 +402,9 @@ class ClusterClient:
     ) -> WorkerLink | None:
         fingerprint = persona_fingerprint(persona) if persona is not None else ""
         candidates = [
-            Candidate(link.worker_id, link.free, bool(fingerprint) and link.holds(fingerprint))
+            Candidate(
+                link.worker_id, link.free, bool(fingerprint) and link.holds(fingerprint), link.saturated
+            )
             for link in self.links_up()
             if link.worker_id not in exclude
         ]
@@ -372,8 +422,8 @@ class ClusterClient:
                     return
                 except CapacityError:
                     continue  # its last report was stale: try the next worker
-        if self._queue.full:
-            reason, error = self._refusal()
+        reason, error = self._refusal()
+        if self._queue.full or reason == "saturated":  # never queue behind saturated workers
             self.metrics.sessions_rejected.inc(label=reason)
             raise error
         self._register(session)
@@ -390,11 +440,44 @@ class ClusterClient:
 
     def _refusal(self) -> tuple[str, CapacityError]:
         """(the rejection label, the error) for an open that neither fits nor may wait."""
-        workers = len(self.links_up())
-        if not workers:
+        links = self.links_up()
+        if not links:
             message = "no engine worker is up; retry in a few seconds"
             return "full", CapacityError(message, retry_after_s=self.retry_after_s)
-        return self._queue.refusal(self.capacity, self.retry_after_s, f" on {workers} engine worker(s)")
+        saturated = [link for link in links if link.saturated]
+        if saturated and all(link.free <= 0 for link in links if not link.saturated):
+            message = (
+                f"{len(saturated)} of {len(links)} engine worker(s) have no real-time headroom left and "
+                f"the others no free slot; retry in {self.retry_after_s:g} s or elsewhere"
+            )
+            return "saturated", SaturatedError(message, retry_after_s=self.retry_after_s)
+        return self._queue.refusal(self.capacity, self.retry_after_s, f" on {len(links)} engine worker(s)")
+
+    def _check_headroom(self) -> None:
+        try:
+            self._headroom.check()
+        except SaturatedError:
+            self.metrics.sessions_rejected.inc(label="saturated")
+            raise
+
+    def _saturation_changed(self, saturated: bool, verdict: Any) -> None:
+        """Saturated: the callers waiting here for a slot are told so now (as an embedded host
+        does), not placed later from a front-end that cannot carry them."""
+        if not saturated or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._shed_queue, verdict.why)
+
+    def _shed_queue(self, why: str) -> None:
+        for session in self._queue.clear():
+            error = SaturatedError(
+                f"this front-end ran out of real-time headroom ({why}) while the call waited",
+                retry_after_s=self.retry_after_s,
+            )
+            session.end("saturated", error, tell_worker=False)
+        self.metrics.queued_sessions.set(0)
+
+    def _dropped(self, reason: str, seconds: float) -> None:
+        self.metrics.audio_dropped.inc(seconds, label=reason)
 
     async def _place(self, session: RemoteSession, link: WorkerLink, ticket: str | None) -> None:
         """OPEN on `link`; returns once the worker holds the session. Raises its refusal."""
@@ -460,12 +543,17 @@ class ClusterClient:
     # ---- what /readyz, /api/cluster and /metrics show -----------------------------------------------
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        body = {**occupancy(self), "engine_workers": len(self.links_up())}
+        headroom = self._headroom.describe()
+        body = {**occupancy(self), "engine_workers": len(self.links_up()), "headroom": headroom}
         if self.draining:
             return False, {"status": "draining", **body}
         if not self.links_up():
             return False, {"status": "loading", "detail": "no engine worker is up yet", **body}
+        if headroom["saturated"]:
+            return False, {"status": "saturated", "where": "front-end", **body}
         if body["available"] <= 0:
+            if self._refusal()[0] == "saturated":
+                return False, {"status": "saturated", "where": "engine workers", **body}
             return False, {"status": "full", **body}
         return True, {"status": "ready", **body}
 
@@ -483,13 +571,15 @@ class ClusterClient:
                 "queued": len(self._queue),
                 "draining": self.draining,
                 "output_hop": self.output_hops.summary_ms(),
+                "headroom": self._headroom.describe(),
             },
             **occupancy(self),
             "workers": workers,
         }
 
     def metrics_snapshots(self) -> list[LabelledSnapshot]:
-        return [LabelledSnapshot({}, self.metrics.snapshot()), *worker_snapshots(self.links)]
+        own = {**self.metrics.snapshot(), **self._headroom.metrics.snapshot()}
+        return [LabelledSnapshot({}, own), *worker_snapshots(self.links)]
 
 
 def _describe_link(link: WorkerLink) -> dict[str, Any]:
@@ -517,4 +607,5 @@ def _describe_link(link: WorkerLink) -> dict[str, Any]:
         "sessions_by_frontend": (status.get("frontends") or {}) if up else {},
         "frontend_pids": (status.get("frontend_pids") or {}) if up else {},
         "input_hop": link.input_hop if up else None,
+        "headroom": status.get("headroom") if up else None,
     }

@@ -31,17 +31,20 @@ class Candidate:
     worker_id: str
     free: int  # slots an unticketed open could take there now (its report minus our opens in flight)
     cached: bool  # its persona cache holds the persona
+    saturated: bool = False  # it has no real-time headroom left (its STATUS says so)
 
 
 def choose_worker(candidates: Sequence[Candidate], turn: int = 0) -> str | None:
     """The worker for the next session, or None when none has a free slot.
 
-    A worker holding the persona in cache wins when it has at least half the free slots of the
-    emptiest worker: a cache hit saves a prefill (hundreds of ms of GPU on the real model), but
-    filling one GPU while another idles makes every call on it slower. Otherwise the emptiest
-    worker; `turn` breaks ties in turn, so equal workers share the load.
+    A saturated worker is skipped whatever its free slots: the calls it carries would pay for
+    one more (engine/headroom.py). A worker holding the persona in cache wins when it has at
+    least half the free slots of the emptiest worker: a cache hit saves a prefill (hundreds of
+    ms of GPU on the real model), but filling one GPU while another idles makes every call on
+    it slower. Otherwise the emptiest worker; `turn` breaks ties in turn, so equal workers share
+    the load.
     """
-    open_ones = [c for c in candidates if c.free > 0]
+    open_ones = [c for c in candidates if c.free > 0 and not c.saturated]
     if not open_ones:
         return None
     most_free = max(c.free for c in open_ones)

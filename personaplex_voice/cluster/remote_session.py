@@ -35,7 +35,7 @@ from personaplex_voice.engine.base import (
     PersonaError,
 )
 from personaplex_voice.engine.scheduler import SessionRecord, SessionState
-from personaplex_voice.session_api import OutFrame, SessionClosed, pushed_samples
+from personaplex_voice.session_api import OutFrame, SessionClosed, clock_slips, pushed_samples
 
 ENGINE_LOST = "engine_lost"
 
@@ -59,6 +59,7 @@ class RemoteSession:
         *,
         loop: asyncio.AbstractEventLoop,
         on_end: Callable[[RemoteSession, SessionState], None],
+        on_drop: Callable[[str, float], None] | None = None,
     ):
         self.id = uuid.uuid4().hex[:16]
         self.persona = persona  # None until the worker says which (a ticket's persona)
@@ -66,6 +67,7 @@ class RemoteSession:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._on_end = on_end
+        self._on_drop = on_drop  # (reason, seconds) of audio dropped here (metrics)
         self._record = SessionRecord(self.id, time.monotonic())
         self._channel: WorkerChannel | None = None  # kept after the session ended (its worker id)
         self._opened: asyncio.Future[None] | None = None
@@ -124,6 +126,15 @@ class RemoteSession:
         `worker`."""
         worker = self._worker_stats
         local = dict(self._counts)
+        counts = {
+            **worker,
+            **local,
+            "dropped_output_frames": local["dropped_output_frames"]
+            + int(worker.get("dropped_output_frames") or 0),
+            "dropped_input_samples": local["dropped_input_samples"]
+            + int(worker.get("dropped_input_samples") or 0),
+        }
+        dropped, inserted = clock_slips(counts)
         return {
             "late_frames": 0,
             "lead_in_frames": 0,
@@ -144,6 +155,8 @@ class RemoteSession:
             "input_backlog_samples": len(self._input),
             "output_queued_frames": len(self._out),
             "duration_s": local["frames_out"] * FRAME_SIZE / SAMPLE_RATE,
+            "dropped_ms": dropped,
+            "inserted_ms": inserted,
         }
 
     # ---- the CallSession API -----------------------------------------------------------------------
@@ -170,6 +183,8 @@ class RemoteSession:
             self._counts["dropped_input_samples"] += dropped
             if not self.ready_now:
                 self._counts["dropped_pre_ready_samples"] += dropped
+            if self._on_drop is not None:
+                self._on_drop("input_bound", dropped / SAMPLE_RATE)
         self._send_input()
 
     def end_input(self) -> None:
@@ -269,6 +284,8 @@ class RemoteSession:
             while len(self._out) >= self._config.output_frames:
                 self._out.popleft()
                 self._counts["dropped_output_frames"] += 1
+                if self._on_drop is not None:
+                    self._on_drop("slow_consumer", FRAME_SIZE / SAMPLE_RATE)
         self._out.append(frame)
         self._counts["frames_out"] += 1
         if self._waiters:

@@ -13,9 +13,9 @@ which is float32 both ways so a run through the split is bit-identical to one in
 Front-end → worker: HELLO (secret and who it is), OPEN (persona, optional ticket), AUDIO (one
 80 ms frame), END_INPUT, CLOSE (reason), CREDIT (lossless flow control), RESERVE / CANCEL
 (tickets), PING.
-Worker → front-end: WELCOME (what the worker is), STATUS (occupancy, cache, metrics; also the
-heartbeat), OPENED, REFUSED (typed: capacity, persona, ticket, engine), READY, FRAME, CLOSED
-(reason and error), RESERVED.
+Worker → front-end: WELCOME (what the worker is), STATUS (occupancy, saturation, cache, metrics;
+also the heartbeat), OPENED, REFUSED (typed: capacity, saturated, persona, ticket, engine),
+READY, FRAME, CLOSED (reason and error), RESERVED.
 
 Nothing here knows asyncio, sockets or engines: `encode_*` build bytes, `MessageReader` splits
 a byte stream into `(kind, channel, body)` and refuses oversize or unknown garbage.
@@ -38,6 +38,7 @@ from personaplex_voice.engine.base import (
     Persona,
     PersonaError,
     Sampling,
+    SaturatedError,
 )
 from personaplex_voice.engine.scheduler import TicketError
 
@@ -160,7 +161,7 @@ def parse_credit(body: bytes) -> int:
 
 
 def refusal(kind: str, message: str, retry_after_s: float | None = None) -> dict[str, Any]:
-    """A REFUSED body: `kind` is capacity, persona, ticket or engine."""
+    """A REFUSED body: `kind` is capacity, saturated, persona, ticket or engine."""
     return {"kind": kind, "message": message, "retry_after_s": retry_after_s}
 
 
@@ -171,6 +172,8 @@ def refusal_of(error: EngineError) -> dict[str, Any]:
         return refusal("persona", str(error))
     if isinstance(error, TicketError):
         return refusal("ticket", str(error), retry)
+    if isinstance(error, SaturatedError):
+        return refusal("saturated", str(error), retry)
     if isinstance(error, CapacityError):
         return refusal("capacity", str(error), retry)
     return refusal("engine", str(error))
@@ -185,6 +188,8 @@ def refusal_error(answer: dict[str, Any]) -> EngineError:
         return PersonaError(message)
     if kind == "ticket":
         return TicketError(message, retry_after_s=retry)
+    if kind == "saturated":
+        return SaturatedError(message, retry_after_s=retry)
     if kind == "capacity":
         return CapacityError(message, retry_after_s=retry)
     return EngineError(message)

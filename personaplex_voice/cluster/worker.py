@@ -8,9 +8,11 @@ the cluster secret and then carry any number of sessions on that one connection:
 - OPEN -> `manager.open(persona, ticket)` -> OPENED, or REFUSED (capacity / persona / ticket /
   engine); then READY once the prompt is in, FRAME per 80 ms, CLOSED with the reason.
 - AUDIO frames go straight into the session (`Session.push`), stamped so the hop is measured.
-- STATUS goes to every front-end every `status_interval_s`: occupancy, cached personas (as
-  fingerprints), per-front-end session counts and, every second, the manager's metrics. It is
-  also the heartbeat: a front-end that hears nothing for a while treats the worker as lost.
+- STATUS goes to every front-end every `status_interval_s`: occupancy, saturation (the worker's
+  real-time headroom: its engine clock and its protocol loop, engine/headroom.py; a saturated
+  worker reports no slot available and refuses opens, so placement skips it), cached personas
+  (as fingerprints), per-front-end session counts and, every second, the manager's metrics. It
+  is also the heartbeat: a front-end that hears nothing for a while treats the worker as lost.
 - A front-end whose connection ends (process died: the kernel closes its sockets at once; or
   silent past `peer_timeout_s`) has all its sessions closed ("frontend_lost"), so its slots are
   free within a tick.
@@ -42,6 +44,7 @@ from personaplex_voice.cluster.procs import HopSamples, die_with_parent, host_id
 from personaplex_voice.cluster.wire import Kind, WireError
 from personaplex_voice.engine.base import EngineError, Persona, PersonaError
 from personaplex_voice.engine.scheduler import TicketError
+from personaplex_voice.process.loop_monitor import LoopMonitor
 from personaplex_voice.process.settings import ServerSettings, settings_from_file
 from personaplex_voice.sessions import Session, SessionManager
 
@@ -379,11 +382,15 @@ class EngineWorker:
         # minted it): each waits on a future the RESERVE resolves.
         self._awaited_tickets: dict[str, asyncio.Future[None]] = {}
         self.started_at = time.time()
+        manager.headroom.name = f"engine worker {info.worker_id}"
+        self.loop_monitor = LoopMonitor(manager.headroom)
+        manager.headroom.on_change(lambda saturated, verdict: self.occupancy_changed())
 
     # -- life ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.manager.start()
+        self.loop_monitor.start()
         if self._status_task is None:
             self._status_task = asyncio.get_running_loop().create_task(self._status_loop())
 
@@ -418,6 +425,7 @@ class EngineWorker:
             self._status_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._status_task
+        await self.loop_monitor.stop()
         await self.manager.shutdown()
         await asyncio.sleep(0.1)  # the pumps send their CLOSED messages
         for connection in list(self.connections):
@@ -454,19 +462,22 @@ class EngineWorker:
                 per_frontend[name] = per_frontend.get(name, 0) + sum(
                     c.session is not None and not c.session.closed for c in connection.channels.values()
                 )
+        headroom = manager.headroom.describe()
         status: dict[str, Any] = {
             "capacity": capacity,
             "active": active,
             "queued": queued,
             "reserved": reserved,
             "available": int(available),
+            "saturated": headroom["saturated"],
+            "headroom": headroom,
             "cached": self.cached.newest(len(manager.cache)),
             "frontends": per_frontend,
             "frontend_pids": pids,
             "tick_due_in_s": self.tick_due_in_s(),
         }
         if with_metrics:
-            status["metrics"] = manager.metrics.snapshot()
+            status["metrics"] = {**manager.metrics.snapshot(), **manager.headroom.metrics.snapshot()}
             status["input_hop"] = self.input_hops.summary_ms()
         return status
 

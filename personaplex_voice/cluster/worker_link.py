@@ -427,5 +427,10 @@ class WorkerLink:
             return 0
         return int(self.status.get("reserved", 0)) + len(self._unacked_reservations)
 
+    @property
+    def saturated(self) -> bool:
+        """The worker said (its last STATUS) that it has no real-time headroom left."""
+        return self.up and bool(self.status.get("saturated"))
+
     def holds(self, fingerprint: str) -> bool:
         return fingerprint in (self.status.get("cached") or ())

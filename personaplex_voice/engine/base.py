@@ -50,6 +50,12 @@ class CapacityError(EngineError):
         self.queue_position = queue_position
 
 
+class SaturatedError(CapacityError):
+    """Slots may be free, but the process cannot take another call in real time: its headroom
+    is spent (engine/headroom.py). The calls it carries keep their clean line; the caller is
+    told to try again later or elsewhere (a phone carrier's busy answer, HTTP 503)."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Per-session sampling. `greedy=True` means argmax for text and audio (temperatures ignored)."""

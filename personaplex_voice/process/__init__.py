@@ -11,4 +11,5 @@ engine workers, the supervisor): nothing here knows the app's routes or the clus
 | `uvicorn_setup` | the uvicorn config and server class every HTTP process runs |
 | `tls` | `--ssl DIR`: the pair found and checked, or a self-signed one made there and reused |
 | `runtime` | process-wide interpreter settings for realtime (gc.freeze, GIL switch interval) |
+| `loop_monitor` | the event loop's lag and load, sampled into the process's headroom (saturation) |
 """

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from personaplex_voice.engine.headroom import HeadroomConfig
 from personaplex_voice.process.http_guard import HttpLimits
 
 
@@ -82,6 +83,13 @@ class ServerSettings(BaseSettings):
     # A client that does not read for this long is disconnected (its slot is needed by others).
     send_timeout_s: float = Field(10.0, gt=0)
     log_level: str = "info"
+    # -- saturation (docs/capacity.md): a process without real-time headroom refuses new calls
+    # (busy, 503) before the calls it carries degrade. Enter levels; each exit level is below.
+    saturation: bool = True
+    saturation_loop_load: float = Field(0.70, gt=0, le=1.0)  # share of the wall clock the loop works
+    saturation_loop_lag_ms: float = Field(30.0, gt=0)  # the loop's timer lag, 90th percentile
+    saturation_step_load: float = Field(0.85, gt=0)  # engine step over the frame period, p90
+    saturation_exit_hold_s: float = Field(3.0, ge=0)  # every signal back under its exit level this long
     # -- cluster (docs/cluster.md): front-end processes and engine workers; all 0/empty = one process
     # Front-end processes on the one port, each with every transport (0 = the embedded server).
     workers: int = Field(0, ge=0, le=256)
@@ -150,7 +158,23 @@ class ServerSettings(BaseSettings):
             "idle_timeout_s": self.idle_timeout_s or None,
             "cache_bytes": round(self.persona_cache_mb * (1 << 20)),
             "start_burst_s": self.start_burst_s,
+            "headroom": self.headroom_config(),
         }
+
+    def headroom_config(self) -> HeadroomConfig:
+        """The saturation policy these settings ask for (the exit levels sit below the enter
+        levels given: load and step load by 0.15, lag at a third)."""
+        load, step, lag = self.saturation_loop_load, self.saturation_step_load, self.saturation_loop_lag_ms
+        return HeadroomConfig(
+            enabled=self.saturation,
+            exit_hold_s=self.saturation_exit_hold_s,
+            loop_load_enter=load,
+            loop_load_exit=max(0.0, round(load - 0.15, 3)),
+            loop_lag_enter_s=lag / 1000,
+            loop_lag_exit_s=round(lag / 3000, 4),
+            step_load_enter=step,
+            step_load_exit=max(0.0, round(step - 0.15, 3)),
+        )
 
     @property
     def carrier_names(self) -> list[str]:

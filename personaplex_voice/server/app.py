@@ -5,7 +5,11 @@ The app serves HTTP while the model loads (so `/healthz` answers and `/readyz` s
 the engine is built and warmed in a worker thread by the lifespan, then one SessionManager is
 started and published as `app.state.host`, the `session_api.SessionHost` every transport (this
 chat endpoint, the phone bridges) shares. A cluster front-end passes its `ClusterClient` as the
-host instead; the app treats both alike.
+host instead; the app treats both alike. Once a host is published, a `LoopMonitor` samples this
+loop's lag and load into the host's headroom (saturation: docs/capacity.md).
+
+`/metrics` exports the server's own instruments, the host's, and those of any source a transport
+adds to `app.state.metric_sources` (the phone call's).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from personaplex_voice.metrics import LabelledSnapshot
 from personaplex_voice.process import runtime
 from personaplex_voice.process.engine_loader import load_engine, warm_engine
+from personaplex_voice.process.loop_monitor import LoopMonitor
 from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server import access, info, metrics
 from personaplex_voice.server.chat import chat_endpoint, why_refused
@@ -65,6 +70,8 @@ def create_app(
                 loader.cancel()  # the worker thread finishes on its own; its result is dropped
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await loader
+            if app.state.loop_monitor is not None:
+                await app.state.loop_monitor.stop()
             if app.state.host is not None:
                 await app.state.host.shutdown()
 
@@ -76,9 +83,13 @@ def create_app(
     app.state.host = None
     app.state.model_name = settings.model if settings.engine == "model" else "echo"
     app.state.load_status = {"state": "loading", "detail": "starting"}
+    app.state.loop_monitor = None
     app.state.server_metrics = metrics.ServerMetrics.create()
+    app.state.metric_sources = []  # more snapshot sources (a transport's own instruments)
     app.state.registry = metrics.build_registry(
-        lambda: [LabelledSnapshot({}, app.state.server_metrics.snapshot())], lambda: _host_snapshots(app)
+        lambda: [LabelledSnapshot({}, app.state.server_metrics.snapshot())],
+        lambda: _host_snapshots(app),
+        lambda: [snapshot for source in app.state.metric_sources for snapshot in source()],
     )
 
     app.add_api_websocket_route("/api/chat", chat_endpoint)
@@ -160,6 +171,9 @@ def _publish(app: FastAPI, host: SessionHost) -> None:
     app.state.host = host
     app.state.model_name = host.model_name
     app.state.load_status.update(state="ready", detail="ready")
+    monitor = LoopMonitor(host.headroom)
+    monitor.start()
+    app.state.loop_monitor = monitor
 
 
 def _tune_runtime(settings: ServerSettings) -> None:
@@ -202,7 +216,7 @@ async def _healthz(request: Request) -> JSONResponse:
         model = info.public_model_name(model)
         status["detail"] = info.redact_paths(str(status.get("detail", "")), settings)
     host: SessionHost | None = app.state.host
-    counts = occupancy(host) if host is not None else {}
+    counts = {**occupancy(host), "saturated": host.headroom.refusing} if host is not None else {}
     return JSONResponse({"status": "ok", "model": model, **status, **counts})
 
 
@@ -267,8 +281,9 @@ def _prompt_text(body: bytes, content_type: str) -> str:
 
 
 async def _readyz(request: Request) -> JSONResponse:
-    """200 when a new conversation would start now; 503 while loading, after a failed load, or
-    when every slot is taken or reserved (so a load balancer sends the next caller elsewhere)."""
+    """200 when a new conversation would start now; 503 while loading, after a failed load, when
+    every slot is taken or reserved, or while the process has no real-time headroom left
+    (`saturated`): a load balancer then sends the next caller elsewhere."""
     app = request.app
     status = dict(app.state.load_status)
     host: SessionHost | None = app.state.host

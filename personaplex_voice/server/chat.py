@@ -4,9 +4,10 @@ Life of a connection:
 1. before the upgrade: check Origin, API key, that the engine is loaded, the query values, and
    open the session (`host.open(persona)`: the persona is validated, a slot taken or a queue
    place). A refusal that retrying cannot fix (origin, key, query, persona, a failed model) is
-   the upgrade's HTTP answer, with the reason as plain text; a passing one (server full, model
-   still loading) is a 0x05 message and a 1013 close after the upgrade, which WebSocket clients
-   take as "try again later";
+   the upgrade's HTTP answer, with the reason as plain text; so is a server without real-time
+   headroom left (`saturated`: 503 with Retry-After, so a client or proxy tries another server);
+   a passing one (server full, model still loading) is a 0x05 message and a 1013 close after
+   the upgrade, which WebSocket clients take as "try again later";
 2. accept; send 0x04 metadata (with the queue position while waiting, sent again whenever it
    changes); from here on every input message goes to the session in order, before the
    handshake too (the session keeps it until it runs: docs/sessions.md);
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -42,12 +44,18 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from personaplex_voice.audio.budget import DecodeBudget, DecodeBudgetExceeded, TokenBucket
 from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
-from personaplex_voice.engine.base import SAMPLE_RATE, CapacityError, EngineError, PersonaError
+from personaplex_voice.engine.base import (
+    SAMPLE_RATE,
+    CapacityError,
+    EngineError,
+    PersonaError,
+    SaturatedError,
+)
 from personaplex_voice.process.settings import ServerSettings
 from personaplex_voice.server import access, info, protocol
 from personaplex_voice.server.metrics import ServerMetrics
 from personaplex_voice.server.protocol import ChatParams, Kind, QueryError
-from personaplex_voice.session_api import CallSession, SessionHost
+from personaplex_voice.session_api import CallSession, MediaMeter, SessionHost, slips_warning
 
 log = logging.getLogger("personaplex_voice.server.chat")
 
@@ -74,9 +82,17 @@ class Refusal(Exception):
     before the upgrade, a refusal that retrying cannot fix is answered with this HTTP status
     instead (None: a 0x05 after the upgrade, even then)."""
 
-    def __init__(self, kind: str, message: str, code: int, http_status: int | None = None):
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        code: int,
+        http_status: int | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message)
         self.kind, self.message, self.code, self.http_status = kind, message, code, http_status
+        self.retry_after_s = retry_after_s
 
 
 # A refusal's kind -> the session's close reason (the fixed set of personaplex_voice.metrics):
@@ -109,6 +125,7 @@ class ChatConnection:
         self._reader = OggOpusReader(sample_rate=SAMPLE_RATE)
         self._budget = DecodeBudget(SAMPLE_RATE)
         self._bytes = TokenBucket(BYTES_PER_S, BYTES_BURST)
+        self._media: MediaMeter | None = None  # this call's media-path time (decode, encode)
 
     # -- entry point ---------------------------------------------------------------------------
 
@@ -148,15 +165,7 @@ class ChatConnection:
         finally:
             if self.session is not None:
                 await self.session.close(reason=session_close_reason(close_reason))
-                stats = self.session.stats
-                log.info(
-                    "session %s closed (%s): %.1f s of audio, %d late frames, %d dropped output frames",
-                    self.session.id,
-                    self.session.close_reason or close_reason,
-                    stats["duration_s"],
-                    stats["late_frames"],
-                    stats["dropped_output_frames"],
-                )
+                self._log_end(close_reason)
             self.metrics.open_connections.set(self.metrics.open_connections.value - 1)
 
     async def _before_upgrade(self) -> None:
@@ -167,6 +176,8 @@ class ChatConnection:
         host: SessionHost = self.state.host
         try:
             self.session = await host.open(self.params.persona())
+        except SaturatedError as exc:
+            raise saturated_refusal(exc) from None
         except CapacityError as exc:
             retry = f"; retry in about {exc.retry_after_s:.0f} s" if exc.retry_after_s else ""
             raise Refusal(
@@ -178,7 +189,28 @@ class ChatConnection:
             raise Refusal(
                 "unavailable", f"the server is not taking calls ({exc})", CLOSE_GOING_AWAY
             ) from None
+        self._media = host.headroom.meter()
         log.info("session %s opened (voice=%s)", self.session.id, self.params.voice_prompt or "default")
+
+    def _log_end(self, close_reason: str) -> None:
+        """One INFO line per session; one WARNING more when it lost audio, or had silence put in,
+        to keep the frame clock (never silently: docs/capacity.md)."""
+        assert self.session is not None
+        stats = self.session.stats
+        media = self._media.summary(stats["duration_s"]) if self._media is not None else {}
+        log.info(
+            "session %s closed (%s): %.1f s of audio, %d late frames, %d dropped output frames, "
+            "media path %.2f ms per second",
+            self.session.id,
+            self.session.close_reason or close_reason,
+            stats["duration_s"],
+            stats["late_frames"],
+            stats["dropped_output_frames"],
+            media.get("media_ms_per_s", 0.0),
+        )
+        warning = slips_warning(stats.get("dropped_ms") or {}, stats.get("inserted_ms") or {})
+        if warning:
+            log.warning("session %s %s", self.session.id, warning)
 
     async def _deny(self, refusal: Refusal) -> bool:
         """The upgrade's HTTP answer: `refusal.http_status`, its message as plain text and its kind
@@ -196,9 +228,7 @@ class ChatConnection:
             refusal.message,
             refusal.kind,
         )
-        headers = {"x-personaplex-error": refusal.kind, "cache-control": "no-store"}
-        if refusal.kind == "auth":
-            headers["www-authenticate"] = 'Bearer realm="personaplex"'
+        headers = refusal_headers(refusal)
         response = PlainTextResponse(refusal.message + "\n", refusal.http_status, headers=headers)
         # A client already gone raises the server's own ClientDisconnected, which it expects back.
         await self.ws.send_denial_response(response)
@@ -272,6 +302,8 @@ class ChatConnection:
                         ready.result()
                     except PersonaError as exc:
                         raise Refusal("persona", str(exc), CLOSE_POLICY) from None
+                    except SaturatedError as exc:  # shed from the queue: another server may take it
+                        raise Refusal("saturated", str(exc), CLOSE_TRY_LATER) from None
                     except Exception as exc:  # SessionClosed: shutdown or engine failure
                         reason = self.session.close_reason or type(exc).__name__
                         raise Refusal(
@@ -351,6 +383,14 @@ class ChatConnection:
     def _accept_audio(self, pages: bytes) -> None:
         """Decodes against this client's budget: the reader stops at the first breach, so a
         message of hours of audio (or of packets libopus rejects) costs a few ms, not seconds."""
+        started = time.perf_counter()
+        try:
+            self._decode_and_push(pages)
+        finally:
+            if self._media is not None:
+                self._media.add(time.perf_counter() - started)
+
+    def _decode_and_push(self, pages: bytes) -> None:
         try:
             chunks = self._reader.feed(pages, self._budget)
         except DecodeBudgetExceeded as exc:
@@ -365,10 +405,14 @@ class ChatConnection:
 
     async def _send_loop(self) -> None:
         writer = OggOpusWriter(sample_rate=SAMPLE_RATE, frame_ms=20)
+        media = self._media
         async for out in self.session.frames():
             if out.text:
                 await self._send(protocol.encode_text(out.text))
+            started = time.perf_counter()
             pages = writer.write(out.pcm)
+            if media is not None:
+                media.add(time.perf_counter() - started)
             if pages:
                 await self._send(protocol.encode_audio(pages))
 
@@ -407,6 +451,21 @@ class ChatConnection:
             self.metrics.bytes_out.inc(1 + len(refusal.message.encode()))
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(code=refusal.code, reason=refusal.kind[:120]), timeout=2.0)
+
+
+def saturated_refusal(exc: SaturatedError) -> Refusal:
+    """No real-time headroom left: 503 on the upgrade (with Retry-After), 1013 after it."""
+    return Refusal("saturated", str(exc), CLOSE_TRY_LATER, http_status=503, retry_after_s=exc.retry_after_s)
+
+
+def refusal_headers(refusal: Refusal) -> dict[str, str]:
+    """The headers of a refusal's HTTP answer: its kind, and what a client needs to act on it."""
+    headers = {"x-personaplex-error": refusal.kind, "cache-control": "no-store"}
+    if refusal.kind == "auth":
+        headers["www-authenticate"] = 'Bearer realm="personaplex"'
+    if refusal.retry_after_s:
+        headers["retry-after"] = str(max(1, round(refusal.retry_after_s)))
+    return headers
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -484,10 +543,13 @@ async def why_refused(request: Request) -> PlainTextResponse:
     try:
         params = check_request(state, state.settings, request.headers, request.query_params)
         _check_voice_listed(state, params.voice_prompt)
+        try:
+            state.host.headroom.check()
+        except SaturatedError as exc:
+            raise saturated_refusal(exc) from None
     except Refusal as refusal:
         status = refusal.http_status or CLOSE_TO_HTTP_RETRY
-        headers = {"x-personaplex-error": refusal.kind, "cache-control": "no-store"}
-        return PlainTextResponse(refusal.message + "\n", status, headers=headers)
+        return PlainTextResponse(refusal.message + "\n", status, headers=refusal_headers(refusal))
     return PlainTextResponse(
         "nothing to refuse: connect with a WebSocket upgrade\n", 426, headers={"upgrade": "websocket"}
     )

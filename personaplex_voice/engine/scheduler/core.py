@@ -58,9 +58,10 @@ from personaplex_voice.engine.base import (
     SlotPrefill,
     StepOutput,
 )
+from personaplex_voice.engine.headroom import EngineLoad
 from personaplex_voice.engine.persona_cache import PersonaCache
 from personaplex_voice.engine.scheduler.clock import Clock, MonotonicClock
-from personaplex_voice.engine.scheduler.config import SchedulerConfig
+from personaplex_voice.engine.scheduler.config import FRAME_SECONDS, SchedulerConfig
 from personaplex_voice.engine.scheduler.isolation import step_isolating
 from personaplex_voice.engine.scheduler.records import (
     ScheduledSession,
@@ -154,6 +155,8 @@ class Scheduler:
         self._want_room = False  # the thread waits for consumers (lossless mode)
         self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
         self.recent_steps: deque[float] = deque(maxlen=25)  # engine.step seconds, last 2 s
+        # Per tick of the last second: (streaming sessions fed late silence, streaming sessions).
+        self._recent_late: deque[tuple[int, int]] = deque(maxlen=round(1.0 / config.frame_period_s))
         self._catchup_steps: deque[float] = deque(maxlen=8)  # recent catch-up step seconds
         self._next_tick: float | None = None  # the realtime clock's next due time, when running
 
@@ -398,6 +401,22 @@ class Scheduler:
         while due < now:  # the thread is stepping or about to: the following tick
             due += self.config.frame_period_s
         return due - now
+
+    def engine_load(self) -> EngineLoad:
+        """The clock's own load for the process's headroom (engine/headroom.py): recent step
+        times over the frame period, overruns, late silence fed to streaming sessions. Any
+        thread; copies of the thread's deques (taken whole under the GIL)."""
+        steps = sorted(list(self.recent_steps))
+        late = list(self._recent_late)
+        period = self.config.frame_period_s
+        step_load = steps[min(len(steps) - 1, int(0.9 * len(steps)))] / period if steps else None
+        return EngineLoad(
+            step_load=step_load,
+            overruns=int(self.metrics.tick_overruns.value),
+            late_frames=sum(n for n, _ in late),
+            streaming_frames=sum(m for _, m in late),
+            ticks=len(late),
+        )
 
     def late_wait(self) -> float:
         """The wait for late input at this tick: `late_wait_s`, cut to what the engine's slowest
@@ -747,23 +766,27 @@ class Scheduler:
             return
         pcm = self._pcm_in
         pcm.fill(0.0)
-        late = trimmed = 0
+        late = trimmed = streaming = 0
         for record in running:
             stream = record.stream
+            was_streaming = _streaming(stream)
+            streaming += was_streaming
             frame = stream.take_frame()
             if frame is not None:
                 pcm[record.slot] = frame
             else:  # silence: late for a session that was streaming, lead-in before its first frame
-                is_late = _streaming(stream)
-                stream.count_silence(is_late)
-                late += is_late
+                stream.count_silence(was_streaming)
+                late += was_streaming
             if config.realtime and _streaming(stream):
                 trimmed += stream.trim_spare(config.input_slack_frames, config.input_settle_ticks)
+        self._recent_late.append((late, streaming))
         if late:
             self.metrics.late_frames.inc(late)
+            self.metrics.audio_inserted.inc(late * FRAME_SECONDS, label="late_input")
         if trimmed:
             self.metrics.jitter_dropped_frames.inc(trimmed)
             self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)
+            self.metrics.audio_dropped.inc(trimmed * FRAME_SECONDS, label="jitter_buffer")
         self._step_and_deliver(running, pcm)
 
     def _step_and_deliver(
@@ -793,6 +816,7 @@ class Scheduler:
             self.metrics.catchup_silent_frames.inc(skipped)
         if dropped:
             self.metrics.dropped_output_frames.inc(dropped)
+            self.metrics.audio_dropped.inc(dropped * FRAME_SECONDS, label="slow_consumer")
         self._enforce_limits()
 
     # ---- catch-up steps ------------------------------------------------------------------------
