@@ -194,7 +194,17 @@ CLOSE_REASONS = frozenset(
 )
 # Why an open or a reservation was refused.
 REJECT_REASONS = frozenset(
-    {"full", "queue_full", "reserve_full", "bad_ticket", "saturated", "draining", "persona", "ticket", "other"}
+    {
+        "full",
+        "queue_full",
+        "reserve_full",
+        "bad_ticket",
+        "saturated",
+        "draining",
+        "persona",
+        "ticket",
+        "other",
+    }
 )
 # Audio a call lost, or silence put in it, to keep the frame clock: by where and why
 # (docs/capacity.md has the table). Engine side here; the phone call adds its playout's.

@@ -499,6 +499,71 @@ def running_app(app: Any) -> Any:
         thread.join(timeout=15)
 
 
+def speechlike(seconds: float, seed: int, rate: int = RATE) -> np.ndarray:
+    """A caller's "speech" of its own: telephone-band noise (300-3400 Hz) with a syllable-rate
+    envelope that never falls silent, so every second of it can be found in the echo, at one
+    delay only (a tone would match at every period)."""
+    n = round(seconds * rate)
+    spectrum = np.fft.rfft(np.random.default_rng(seed).standard_normal(n))
+    freqs = np.fft.rfftfreq(n, 1 / rate)
+    spectrum[(freqs < 300) | (freqs > 3400)] = 0
+    band = np.fft.irfft(spectrum, n)
+    band /= np.max(np.abs(band)) or 1.0
+    t = np.arange(n) / rate
+    envelope = 0.65 + 0.35 * np.sin(2 * np.pi * 3.7 * t + seed)
+    return (0.5 * band * envelope).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class EchoQuality:
+    """How well each second of what a caller said came back (the echo engine's answer):
+    `correlations[k]` is second k's best normalized correlation with what the caller heard,
+    `delays_s[k]` the delay it was found at."""
+
+    correlations: list[float]
+    delays_s: list[float]
+
+    @property
+    def delay_growth_s(self) -> float:
+        return max((d - self.delays_s[0] for d in self.delays_s), default=0.0)
+
+    def clean(self, min_correlation: float = 0.8, max_growth_s: float = 0.2) -> bool:
+        """The per-second rule: every second comes back (r >= 0.8) and the delay does not
+        grow by more than 200 ms."""
+        return (
+            bool(self.correlations)
+            and min(self.correlations) >= min_correlation
+            and self.delay_growth_s <= max_growth_s
+        )
+
+
+def echo_quality(
+    sent: np.ndarray, heard: np.ndarray, *, start_s: float = 0.0, max_delay_s: float = 2.0, rate: int = RATE
+) -> EchoQuality:
+    """Each whole second of `sent` from `start_s` on (both on the caller's timeline: sample 0 =
+    its first message), found in `heard` at the delay (0..max_delay_s) where it correlates best.
+    Seconds whose echo window `heard` does not cover are left out (the call ended first)."""
+    sent = np.asarray(sent, np.float64)
+    heard = np.asarray(heard, np.float64)
+    span = round(max_delay_s * rate)
+    correlations, delays = [], []
+    first = round(start_s * rate)
+    for begin in range(first, len(sent) - rate + 1, rate):
+        x = sent[begin : begin + rate]
+        window = heard[begin : begin + rate + span]
+        if len(window) < rate + span or not np.any(x):
+            break
+        size = 1 << int(np.ceil(np.log2(len(window) + rate)))
+        dots = np.fft.irfft(np.fft.rfft(window, size) * np.conj(np.fft.rfft(x, size)), size)[: span + 1]
+        energy = np.concatenate([[0.0], np.cumsum(window**2)])
+        norms = np.sqrt(np.maximum(energy[rate : rate + span + 1] - energy[: span + 1], 1e-12))
+        r = dots / (norms * np.linalg.norm(x))
+        best = int(np.argmax(r))
+        correlations.append(float(r[best]))
+        delays.append(best / rate)
+    return EchoQuality(correlations, delays)
+
+
 def blockwise_snr_db(x: np.ndarray, freq: float, block_s: float = 0.1, rate: int = RATE) -> np.ndarray:
     """`sine_fit_snr_db` of each block: one glitch spoils its block only, and a shift of the
     whole echo (a frame of silence inserted by a late tick) does not spoil the rest."""

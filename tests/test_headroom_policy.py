@@ -45,7 +45,7 @@ def test_nothing_is_refused_below_the_enter_levels():
     """Every signal just under its enter level (the loop with room for one more call: 0.60 +
     0.015 for the next < 0.70), for a minute: nobody is refused."""
     policy = SaturationPolicy(CONFIG)
-    near = Signals(loop_lag_s=0.029, loop_load=0.60, step_load=0.84, overruns=1, late_share=0.49, active=40)
+    near = Signals(loop_lag_s=0.019, loop_load=0.60, step_load=0.84, overruns=1, late_share=0.49, active=40)
     for _, verdict in run(policy, T0, T0 + 60, near):
         assert not verdict.saturated and not verdict.refusing
     assert policy.update(T0 + 60, Signals()).refusing is False  # nothing measured: nothing refused

@@ -87,7 +87,7 @@ class ServerSettings(BaseSettings):
     # (busy, 503) before the calls it carries degrade. Enter levels; each exit level is below.
     saturation: bool = True
     saturation_loop_load: float = Field(0.70, gt=0, le=1.0)  # share of the wall clock the loop works
-    saturation_loop_lag_ms: float = Field(30.0, gt=0)  # the loop's timer lag, 90th percentile
+    saturation_loop_lag_ms: float = Field(20.0, gt=0)  # the loop's timer lag, median of a second
     saturation_step_load: float = Field(0.85, gt=0)  # engine step over the frame period, p90
     saturation_exit_hold_s: float = Field(3.0, ge=0)  # every signal back under its exit level this long
     # -- cluster (docs/cluster.md): front-end processes and engine workers; all 0/empty = one process
@@ -163,7 +163,7 @@ class ServerSettings(BaseSettings):
 
     def headroom_config(self) -> HeadroomConfig:
         """The saturation policy these settings ask for (the exit levels sit below the enter
-        levels given: load and step load by 0.15, lag at a third)."""
+        levels given: load and step load by 0.15, lag at a quarter)."""
         load, step, lag = self.saturation_loop_load, self.saturation_step_load, self.saturation_loop_lag_ms
         return HeadroomConfig(
             enabled=self.saturation,
@@ -171,7 +171,7 @@ class ServerSettings(BaseSettings):
             loop_load_enter=load,
             loop_load_exit=max(0.0, round(load - 0.15, 3)),
             loop_lag_enter_s=lag / 1000,
-            loop_lag_exit_s=round(lag / 3000, 4),
+            loop_lag_exit_s=round(lag / 4000, 4),
             step_load_enter=step,
             step_load_exit=max(0.0, round(step - 0.15, 3)),
         )
