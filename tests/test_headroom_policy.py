@@ -11,8 +11,6 @@ ticket's call (admitted before) still gets its slot.
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 from support_scheduler import FakeClock, TimedEngine, caller, fake_manager, join, run_until
