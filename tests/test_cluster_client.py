@@ -17,7 +17,8 @@ import pytest
 from personaplex_voice.cluster.client import ClusterClient
 from personaplex_voice.cluster.procs import host_identity
 from personaplex_voice.cluster.worker import EngineWorker, WorkerInfo
-from personaplex_voice.engine.base import FRAME_SIZE, CapacityError, Persona, PersonaError
+from personaplex_voice.engine.base import FRAME_SIZE, CapacityError, Persona, PersonaError, SaturatedError
+from personaplex_voice.engine.headroom import Headroom, HeadroomConfig
 from personaplex_voice.engine.loopback import LoopbackEngine
 from personaplex_voice.sessions import SessionManager, TicketError
 
@@ -36,14 +37,22 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    tmp_path: Path, slots: list[int], *, realtime: bool = False, max_queue: int = 0, secret: str = SECRET
+    tmp_path: Path,
+    slots: list[int],
+    *,
+    realtime: bool = False,
+    max_queue: int = 0,
+    secret: str = SECRET,
+    headroom: HeadroomConfig | None = None,
 ) -> AsyncIterator[Cluster]:
     workers, managers = [], []
-    client = ClusterClient(frontend_id="fe-test", realtime=realtime, max_queue=max_queue)
+    client = ClusterClient(frontend_id="fe-test", realtime=realtime, max_queue=max_queue, headroom=headroom)
     try:
         for i, n in enumerate(slots):
             engine = LoopbackEngine(num_slots=n, text_pieces=PIECES)
-            manager = SessionManager(engine, realtime=realtime, idle_timeout_s=None, max_call_s=None)
+            manager = SessionManager(
+                engine, realtime=realtime, idle_timeout_s=None, max_call_s=None, headroom=headroom
+            )
             info = WorkerInfo(f"w{i}", "cpu", "test", 0, os.getpid(), host_identity())
             worker = EngineWorker(manager, info, SECRET)
             await worker.start()
@@ -242,3 +251,89 @@ async def test_a_ticket_from_one_front_end_is_redeemed_through_another(tmp_path)
             await until(lambda: other.available == 1)
         finally:
             await other.shutdown()
+
+
+# -- saturation: a worker without real-time headroom takes no new call, nor does a front-end ----------
+
+PROMPT_HOLD = HeadroomConfig(loop_load_hold_s=0.0, exit_hold_s=0.3)
+
+
+class LoopLoad:
+    """The loop monitor's samples, the test's own: every 50 ms, `busy` of the wall clock."""
+
+    def __init__(self, headroom: Headroom, busy: float):
+        self.headroom, self.busy = headroom, busy
+        self._task = asyncio.get_running_loop().create_task(self._feed())
+
+    async def _feed(self) -> None:
+        while True:
+            self.headroom.note_loop(0.001, self.busy)
+            await asyncio.sleep(0.05)
+
+    async def set(self, busy: float) -> None:
+        """Until the window (1 s) holds only the new level, and the state follows it."""
+        self.busy = busy
+        await asyncio.sleep(1.1)
+        self.headroom.evaluate()
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def test_placement_skips_a_saturated_worker_and_says_so(tmp_path):
+    """w0 reports (STATUS) that it has no headroom: new sessions go to w1; once w1 is full too,
+    an open gets SaturatedError (not a plain "full": slots are free, on a worker that cannot
+    carry them), and /readyz's body says `saturated` at the engine workers. When w0 recovers,
+    it takes calls again."""
+    async with cluster(tmp_path, [2, 2], realtime=True, headroom=PROMPT_HOLD) as c:
+        w0 = c.managers[0].headroom
+        await c.workers[0].loop_monitor.stop()  # its samples are the test's from here
+        load = LoopLoad(w0, 0.95)
+        await until(lambda: w0.verdict.saturated and c.client.links[0].saturated)
+        assert c.client.links[0].status["headroom"]["reasons"] == ["loop_load"]
+        placed = [await c.client.open(Persona(text_prompt="p")) for _ in range(2)]
+        assert [s.worker_id for s in placed] == ["w1", "w1"]
+        await until(lambda: c.client.links[1].free == 0)
+        with pytest.raises(SaturatedError, match="no real-time headroom"):
+            await c.client.open(Persona())
+        ok, body = c.client.readiness()
+        assert not ok and body["status"] == "saturated" and body["where"] == "engine workers"
+        snapshot = {name: entry["value"] for name, entry in c.client.metrics.snapshot().items()}
+        assert snapshot["frontend_sessions_rejected_total"] == {"saturated": 1.0}
+
+        await load.set(0.05)
+        await until(lambda: not w0.verdict.refusing and not c.client.links[0].saturated)
+        await until(lambda: c.client.links[0].free == 2)
+        assert c.client.readiness()[1]["status"] == "ready"
+        again = await c.client.open(Persona())
+        assert again.worker_id == "w0"
+        await load.stop()
+
+
+async def test_a_saturated_front_end_refuses_and_sheds_its_queue(tmp_path):
+    """The front-end's own loop without headroom: new opens and reservations get SaturatedError,
+    the caller waiting in its queue is ended (`saturated`) rather than placed later, /readyz says
+    so; the call it carries goes on."""
+    async with cluster(tmp_path, [1], realtime=True, max_queue=2, headroom=PROMPT_HOLD) as c:
+        running = await c.client.open(Persona())
+        await until(lambda: c.client.available == 0)
+        waiting = await c.client.open(Persona())
+        assert waiting.queue_position == 1
+        load = LoopLoad(c.client.headroom, 0.9)
+        await until(lambda: c.client.headroom.verdict.saturated)
+        with pytest.raises(SaturatedError):
+            await c.client.open(Persona())
+        with pytest.raises(SaturatedError):
+            c.client.reserve(ttl_s=10)
+        await until(lambda: waiting.closed)
+        assert waiting.close_reason == "saturated"
+        with pytest.raises(SaturatedError):
+            await waiting.ready()
+        ok, body = c.client.readiness()
+        assert not ok and body["status"] == "saturated" and body["where"] == "front-end"
+        assert not running.closed
+        own = {name: entry["value"] for name, entry in c.client.metrics_snapshots()[0].instruments.items()}
+        assert own["frontend_saturated"] == 1.0 and own["frontend_sessions_closed_total"]["saturated"] == 1
+        await load.stop()

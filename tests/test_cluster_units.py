@@ -9,7 +9,15 @@ from personaplex_voice.cluster import wire
 from personaplex_voice.cluster.placement import Candidate, choose_worker, persona_fingerprint
 from personaplex_voice.cluster.supervisor import Backoff
 from personaplex_voice.cluster.wire import Kind, MessageReader, WireError
-from personaplex_voice.engine.base import FRAME_SIZE, Persona, PersonaError, Sampling
+from personaplex_voice.engine.base import (
+    FRAME_SIZE,
+    CapacityError,
+    Persona,
+    PersonaError,
+    Sampling,
+    SaturatedError,
+)
+from personaplex_voice.engine.scheduler import TicketError
 
 
 def test_frames_and_audio_round_trip_bit_exact_through_any_split_of_the_stream():
@@ -80,6 +88,26 @@ def test_placement_prefers_a_warm_cache_but_spreads_load():
     assert choose_worker([Candidate("a", 1, False), Candidate("b", 3, False)]) == "b"
     turns = {choose_worker([Candidate("a", 2, False), Candidate("b", 2, False)], t) for t in range(4)}
     assert turns == {"a", "b"}
+
+
+def test_placement_skips_a_saturated_worker_whatever_its_free_slots():
+    """A worker without real-time headroom takes no new call, even a warm, empty one."""
+    assert choose_worker([Candidate("a", 8, True, saturated=True), Candidate("b", 1, False)]) == "b"
+    assert choose_worker([Candidate("a", 8, False, saturated=True)]) is None
+
+
+def test_refusals_keep_their_type_across_the_wire():
+    """REFUSED bodies carry the kind; the front-end raises what the worker's host raised."""
+    for error in (
+        SaturatedError("no headroom", retry_after_s=5.0),
+        CapacityError("full", retry_after_s=5.0),
+        TicketError("used", retry_after_s=None),
+        PersonaError("no such voice"),
+    ):
+        back = wire.refusal_error(wire.refusal_of(error))
+        assert type(back) is type(error) and str(back) == str(error)
+        assert getattr(back, "retry_after_s", None) == getattr(error, "retry_after_s", None)
+    assert wire.refusal_of(SaturatedError("x"))["kind"] == "saturated"
 
 
 def test_fingerprints_ignore_sampling_and_seed_and_the_pt_suffix():
