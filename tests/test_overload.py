@@ -28,8 +28,13 @@ from typing import Any
 
 import httpx
 import numpy as np
+import personaplex_phone
 import pytest
+from personaplex_backends import RemoteBackend, SessionRefused
+from personaplex_backends.remote import Backoff
 from personaplex_phone.carrier import CallerMedia
+from personaplex_phone.simulator import PhoneSimulator
+from support_phone import CARRIERS, carrier_env, carrier_side
 from support_twilio import (
     RATE,
     BridgeHarness,
@@ -37,6 +42,7 @@ from support_twilio import (
     bridge_harness,
     echo_quality,
     parse_stream_twiml,
+    running_app,
     sid,
     speechlike,
 )
@@ -44,7 +50,12 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from personaplex_voice.audio.mulaw import ulaw_decode
+from personaplex_voice.engine.base import Persona
+from personaplex_voice.engine.headroom import HeadroomConfig
 from personaplex_voice.engine.loopback import LoopbackEngine
+from personaplex_voice.process.settings import ServerSettings
+from personaplex_voice.server.app import create_app
+from personaplex_voice.sessions import SessionManager
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -299,3 +310,56 @@ async def test_calls_that_could_not_keep_a_clean_line_are_counted_per_call_and_w
             for c in callers
         )
         assert np.isclose(1000 * (engine_side + phone_side), expected, rtol=0.05, atol=1.0)
+
+
+# Saturated by any work at all: the loop monitor's first second makes it so, and it stays.
+ALWAYS_SATURATED = HeadroomConfig(loop_load_enter=1e-9, loop_load_exit=0.0, loop_load_hold_s=0.0)
+
+
+async def test_every_transport_refuses_a_saturated_server_its_own_way(tmp_path, monkeypatch):
+    """Slots free, no headroom: each carrier's webhook gets that carrier's busy answer (no
+    stream), /api/chat's upgrade and its plain GET 503 `saturated`, the remote backend of the
+    Pipecat and LiveKit bridges a SessionRefused of kind `saturated` at once (no retries),
+    /readyz 503 `saturated`, /healthz says so; each refusal is counted by reason."""
+    personas = tmp_path / "personas.yaml"
+    personas.write_text(PERSONAS)
+    for name, value in carrier_env("http://127.0.0.1:9", str(personas)).items():
+        monkeypatch.setenv(name, value)
+    manager = SessionManager(LoopbackEngine(num_slots=4), headroom=ALWAYS_SATURATED)
+    app = create_app(ServerSettings(engine="echo", tune_runtime=False), host=manager)
+    with running_app(app) as server:
+        personaplex_phone.mount(app, CARRIERS)
+        await until(lambda: readyz_of(server.url).status_code == 503, 10, "saturation")
+        ready = readyz_of(server.url).json()
+        assert ready["status"] == "saturated" and ready["available"] == 0 and ready["capacity"] == 4
+        assert httpx.get(server.url + "/healthz").json()["saturated"] is True
+
+        busy_message = personaplex_phone.PhoneSettings().busy_message
+        for carrier in CARRIERS:
+            sim = PhoneSimulator(
+                carrier_side(carrier), server.url, public_url=carrier_env("", "")["PUBLIC_URL"]
+            )
+            call_id, status, body = await sim.webhook()
+            assert sim.side.parse_answer(call_id, status, body) is None, (carrier, body[:300])
+            assert busy_message.encode() in body, (carrier, status, body[:300])
+
+        ws_url = server.url.replace("http://", "ws://") + "/api/chat"
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(ws_url, open_timeout=10):
+                pass
+        assert refused.value.response.status_code == 503
+        plain = httpx.get(server.url + "/api/chat")
+        assert plain.status_code == 503 and plain.headers["x-personaplex-error"] == "saturated"
+        backend = RemoteBackend(ws_url, backoff=Backoff(attempts=3, initial_s=0.01))
+        with pytest.raises(SessionRefused, match="no real-time headroom") as remote:
+            await backend.open(Persona())
+        assert remote.value.kind == "saturated"
+
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "personaplex_phone_refusals_total", reason="saturated") == len(CARRIERS)
+        assert metric(text, "personaplex_chat_errors_total", kind="saturated") >= 2
+        assert manager.active_count == 0 and manager.reserved_count == 0  # nothing was held
+
+
+def readyz_of(url: str) -> httpx.Response:
+    return httpx.get(url + "/readyz", timeout=10)

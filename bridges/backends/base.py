@@ -24,7 +24,8 @@ class SessionRefused(BackendError):
     """The model side said no: bad persona, no free slot, wrong API key. Retrying will not help.
 
     `kind` says why, in the server's words: "auth", "origin", "capacity", "queue_full",
-    "loading", "persona", "bad_query", ... ("refused" when unknown).
+    "saturated" (slots are free but the server has no real-time headroom for another call: try
+    later or another server), "loading", "persona", "bad_query", ... ("refused" when unknown).
     """
 
     def __init__(self, message: str, kind: str = "refused"):

@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from personaplex_voice.engine.base import CapacityError, Engine, EngineError, Persona, PersonaError
+from personaplex_voice.engine.base import (
+    CapacityError,
+    Engine,
+    EngineError,
+    Persona,
+    PersonaError,
+    SaturatedError,
+)
 from personaplex_voice.errors import UserError
 from personaplex_voice.session_api import CallSession, SessionHost
 from personaplex_voice.sessions import SessionManager
@@ -121,6 +128,8 @@ class InProcessBackend:
         assert self._manager is not None
         try:
             session = await self._manager.open(persona)
+        except SaturatedError as exc:
+            raise SessionRefused(f"no real-time headroom for another call: {exc}", kind="saturated") from exc
         except CapacityError as exc:
             retry = f"; retry in about {exc.retry_after_s:.0f} s" if exc.retry_after_s else ""
             raise SessionRefused(

@@ -6,7 +6,9 @@ pieces. A refusal that retrying cannot fix (key, persona, query) is the upgrade'
 its reason the body and its kind the `X-PersonaPlex-Error` header; any later refusal is a 0x05
 message with the reason, then a close whose reason is the kind. Connecting is retried with
 exponential backoff when the server cannot be reached or asks to try again later (HTTP 5xx, a
-1013 close before the handshake); a refusal is not retried.
+1013 close before the handshake); a refusal is not retried, nor is a server without real-time
+headroom (503 `saturated`): that is a `SessionRefused` of kind "saturated" at once, so the
+application can send the call elsewhere (LiveKit's DuplexModel retries it with its backoff).
 """
 
 from __future__ import annotations
@@ -283,6 +285,12 @@ def _http_refusal(where: str, exc: InvalidStatus) -> SessionRefused | BackendUna
     kind = response.headers.get("x-personaplex-error")
     reason = (response.body or b"").decode("utf-8", "replace").strip()[:500]
     said = f": {reason}" if reason else ""
+    if kind == "saturated":
+        retry = response.headers.get("retry-after")
+        later = f"; retry in {retry} s or use another server" if retry else ""
+        return SessionRefused(
+            f"{where} has no real-time headroom for another call (HTTP {status}){said}{later}", kind=kind
+        )
     if 400 <= status < 500 or kind is not None:
         if kind is None:
             kind = {401: "auth", 403: "auth", 404: "not_found"}.get(status, "refused")

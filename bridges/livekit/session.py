@@ -51,7 +51,7 @@ log = logging.getLogger("personaplex_livekit")
 
 FRAME_MS = FRAME_SIZE * 1000 // SAMPLE_RATE  # 80
 # Refusals that say "later", not "no": retried with the model's backoff.
-TRANSIENT_REFUSALS = frozenset({"capacity", "queue_full", "loading"})
+TRANSIENT_REFUSALS = frozenset({"capacity", "queue_full", "saturated", "loading"})
 # A session that lived this long before it was lost starts the backoff over.
 STABLE_S = 30.0
 

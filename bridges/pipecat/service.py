@@ -74,6 +74,7 @@ _REFUSAL_CATEGORIES = {
     "origin": ErrorCategory.AUTHORIZATION,
     "capacity": ErrorCategory.RATE_LIMIT,
     "queue_full": ErrorCategory.RATE_LIMIT,
+    "saturated": ErrorCategory.RATE_LIMIT,  # slots free, but no real-time headroom for one more call
     "loading": ErrorCategory.SERVER,
     "unavailable": ErrorCategory.SERVER,
     "internal": ErrorCategory.SERVER,
