@@ -5,6 +5,7 @@ recording plays in the page's audio player. Saves artifacts/calls_page.png."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import numpy as np
@@ -82,6 +83,8 @@ def test_calls_page_shows_a_live_transcript_and_plays_a_past_recording(tmp_path,
             assert "Hello from the echo engine." in live_text
             level = float(page.get_attribute("#live tbody tr .meter.caller", "aria-valuenow") or 0)
             assert level > 0.3  # the caller's 440 Hz tone at -10 dBFS
+            slips = page.inner_text("#live tbody tr td:nth-child(8)")  # audio lost to keep the clock
+            assert slips == "–" or re.fullmatch(r"(lost \d+ ms)?(, )?(\+\d+ ms silence)?", slips), slips
             page.screenshot(path=str(artifacts_dir / "calls_page_live.png"), full_page=True)
 
             assert done.wait(30)
@@ -94,6 +97,7 @@ def test_calls_page_shows_a_live_transcript_and_plays_a_past_recording(tmp_path,
             page.evaluate("document.getElementById('player').play().then(() => true)")
             page.wait_for_function("document.getElementById('player').currentTime > 0.5", timeout=90_000)
             assert len(page.inner_text("#transcript")) > len(live_text)  # the whole call now
+            assert "Audio lost to keep the clock" in page.inner_text("#detail-facts")
             page.screenshot(path=str(artifacts_dir / "calls_page.png"), full_page=True)
             assert not errors, errors
         finally:

@@ -59,6 +59,7 @@ function cell(row, content) {
   if (content instanceof Node) td.append(content);
   else td.textContent = content ?? "";
   row.append(td);
+  return td;
 }
 
 function seconds(value) {
@@ -81,10 +82,25 @@ function renderLive(live) {
     cell(row, meter("caller", call.caller_level_db));
     cell(row, meter("agent", call.agent_level_db));
     cell(row, String(call.transcript_pieces));
+    const slips = cell(row, slipsText(call.dropped_ms, call.inserted_ms));
+    slips.classList.toggle("slips", (call.dropped_ms || 0) + (call.inserted_ms || 0) > 0);
     row.addEventListener("click", () => select(call.call_sid, true));
     body.append(row);
   }
   $("no-live").hidden = live.length > 0;
+}
+
+// Audio a call lost (or had silence put in) to keep the frame clock: "–" for a clean line.
+function slipsText(dropped, inserted) {
+  const parts = [];
+  if (dropped > 0) parts.push(`lost ${Math.round(dropped)} ms`);
+  if (inserted > 0) parts.push(`+${Math.round(inserted)} ms silence`);
+  return parts.join(", ") || "–";
+}
+
+function slipDetail(amounts) {
+  const entries = Object.entries(amounts || {}).filter(([, ms]) => ms > 0);
+  return entries.map(([reason, ms]) => `${reason} ${Math.round(ms)} ms`).join(", ") || "none";
 }
 
 function renderPast(past) {
@@ -162,6 +178,10 @@ async function refreshSelected(live) {
     ["Ended because", live ? "(live)" : record.end_reason],
   ];
   if (record.webhook) rows.push(["Webhook", record.webhook.delivered ? `delivered (${record.webhook.attempts})` : `failed: ${record.webhook.error}`]);
+  if (record.metrics?.dropped_ms) {
+    rows.push(["Audio lost to keep the clock", slipDetail(record.metrics.dropped_ms)]);
+    rows.push(["Silence put in", slipDetail(record.metrics.inserted_ms)]);
+  }
   for (const [name, value] of rows) {
     const dt = document.createElement("dt");
     dt.textContent = name;
