@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from sim_pool import cpu_seconds, deal, rss_mib, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -53,7 +54,7 @@ def speech(rate: int, seconds: float = 2.0) -> np.ndarray:
 
 
 def worker(
-    carrier: str, base_url: str, public_url: str, starts: list[float], seconds: float, out: mp.Queue
+    carrier: str, base_url: str, public_url: str, seconds: float, starts: list[float], out: mp.Queue
 ) -> None:
     """One process of simulated calls of `carrier`, call i starting at `starts[i]` (wall clock)."""
     import gc
@@ -119,39 +120,23 @@ def worker(
 def run_calls(
     carrier: str, base_url: str, public_url: str, calls: int, seconds: float, processes: int
 ) -> dict:
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
     start_at = time.time() + 2.0 + calls * 0.02
     starts = [start_at + k * 0.01 for k in range(calls)]
-    shares = [starts[i::processes] for i in range(processes)]
-    procs = [
-        ctx.Process(target=worker, args=(carrier, base_url, public_url, s, seconds, out)) for s in shares if s
-    ]
-    for p in procs:
-        p.start()
-    rows: list[dict] = []
-    for _ in procs:
-        rows += out.get(timeout=seconds + calls + 120)
-    for p in procs:
-        p.join(timeout=30)
+    rows = run_workers(
+        worker,
+        deal(starts, processes),
+        carrier,
+        base_url,
+        public_url,
+        seconds,
+        timeout=seconds + calls + 120,
+    )
     return {
         "calls": calls,
         "simulator_late_messages": int(sum(r.get("late", 0) for r in rows)),
         "closed_early": int(sum(r.get("closed_early", False) for r in rows)),
         "errors": [r["error"] for r in rows if "error" in r][:3],
     }
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def listing(base_url: str) -> dict:

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/twilio_load.py --engine echo [--levels 1,5,10,25,50,100,150,200] [--seconds 5]
         [--ramp-ms 10] [--all-levels]
+    .venv/bin/python bench/twilio_load.py --ramp [--message-ms 20,40,80] [--ramp-rate 5] [--hold-s 10]
+        [--cost-calls 50] [--cost-rounds 2]
 
 1. Bridge delay: an impulse crosses the bridge's audio path in and out (μ-law 8 kHz -> 24 kHz
    in 20 ms messages, then 80 ms engine frames -> 8 kHz μ-law), with the engine frame itself
@@ -23,8 +25,21 @@
    also goes to the transcript) beside the same calls with them off, in alternating rounds
    (`--records-rounds`) so the shared machine's drift hits both alike. `--records-only` runs just this part.
 
+4. Ramp (`--ramp`): for each outbound message size (`--message-ms`, Twilio's 20 ms and longer
+   ones: `PERSONAPLEX_TWILIO_MESSAGE_MS`), a fresh server with its default saturation policy
+   and slots for any load; calls are offered `--ramp-rate` a second (the signed voice webhook),
+   each admitted one talking its own speech-like audio, until the first busy answer, then
+   `--hold-s` more (offers go on: they are refused or admitted as the headroom says). Every
+   admitted call is judged by the per-second rule (each second of its speech comes back with a
+   normalized correlation >= 0.8, the echo delay grows by <= 200 ms). Printed per size: the
+   calls admitted and refused, the clean capacity (all admitted calls, when every one was clean;
+   else those running when the first bad second came), degraded calls, the server's CPU per
+   call-second, what the server counted as dropped or inserted, /readyz at the end. Then the
+   CPU per call-second of each size at `--cost-calls` calls, sizes in turn for `--cost-rounds`.
+
 Last line: {"max_calls_no_late_frames": …, "p99_outbound_jitter_ms": …, "bridge_delay_ms": …,
-"records_extra_cpu_ms_per_call_second": …, ...}
+"records_extra_cpu_ms_per_call_second": …, ...}; with --ramp: {"ramp": {size: {...}},
+"cpu_ms_per_call_second_by_message_ms": {...}, ...}
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from sim_pool import cpu_seconds, deal, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -153,7 +169,7 @@ def bridge_delays() -> dict[str, float]:
 # --- 2. load ------------------------------------------------------------------------------------
 
 
-def worker(base_url: str, starts: list[float], seconds: float, results: mp.Queue) -> None:
+def worker(base_url: str, seconds: float, starts: list[float], results: mp.Queue) -> None:
     """One process of simulated calls, call i starting at `starts[i]` (wall clock). Each call is
     one task that sends its 20 ms messages on its own real-time grid (precomputed base64 payloads),
     on uvloop: the simulator shares the 2 cores with the server, so its cost caps the measurement.
@@ -225,21 +241,11 @@ def worker(base_url: str, starts: list[float], seconds: float, results: mp.Queue
 def run_level(base_url: str, calls: int, seconds: float, processes: int, ramp_s: float) -> dict:
     """`calls` calls, the k-th starting `k * ramp_s` after the first (dealt round-robin to the
     simulator processes), each streaming for `seconds`."""
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
     start_at = time.time() + 2.0 + calls * 0.01  # every call answered before any speaks
     starts = [start_at + k * ramp_s for k in range(calls)]
-    shares = [starts[i::processes] for i in range(processes)]
-    procs = [
-        ctx.Process(target=worker, args=(base_url, share, seconds, results)) for share in shares if share
-    ]
-    for p in procs:
-        p.start()
-    rows: list[dict] = []
-    for _ in procs:
-        rows += results.get(timeout=seconds + calls * ramp_s + 120)
-    for p in procs:
-        p.join(timeout=30)
+    rows = run_workers(
+        worker, deal(starts, processes), base_url, seconds, timeout=seconds + calls * ramp_s + 120
+    )
     errors = [r["error"] for r in rows if "error" in r]
     pdv = np.concatenate([np.asarray(r["pdv_ms"]) for r in rows if "pdv_ms" in r] or [np.zeros(1)])
     jitter = np.concatenate([np.asarray(r["jitter_ms"]) for r in rows if "jitter_ms" in r] or [np.zeros(1)])
@@ -255,12 +261,6 @@ def run_level(base_url: str, calls: int, seconds: float, processes: int, ramp_s:
         "late_at_s": [r["late_at_s"] for r in rows if r.get("late")][:3],
         "errors": errors[:3],
     }
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_side(base_url: str, calls: int) -> dict:
@@ -328,6 +328,203 @@ def records_cost(calls: int, seconds: float, processes: int, ramp_s: float, roun
     }
 
 
+# --- 4. ramp: calls added until refusals start -------------------------------------------------
+
+SPEECH_S = 10.0  # each caller's own speech, repeated (longer than the 2 s the echo is searched in)
+
+
+def ramp_worker(base_url: str, hold_s: float, shared: tuple, plan: list[float], results: mp.Queue) -> None:
+    """One process of the ramp's callers: an offer (the signed voice webhook) at each time of
+    `plan` (wall clock) until the run's end; an admitted call talks its own speech until then and
+    is judged by the per-second rule. `shared`: (refused: Event, end: Value) across workers; the
+    first busy answer sets the end `hold_s` later."""
+    import gc
+
+    from support_twilio import TwilioSimulator, echo_quality, parse_stream_twiml, sid, speechlike
+
+    from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
+
+    refused_event, end_at = shared
+    gc.freeze()
+    os.nice(5)
+
+    def speech_payloads(seed: int) -> list[str]:
+        data = ulaw_encode(speechlike(SPEECH_S, seed))
+        return [base64.b64encode(data[i : i + 160]).decode("ascii") for i in range(0, len(data), 160)]
+
+    async def main() -> list[dict]:
+        sim = TwilioSimulator(base_url, AUTH_TOKEN)
+        rows: list[dict] = []
+        tasks = []
+        for at in plan:
+            await asyncio.sleep(max(0.0, at - time.time()))
+            if time.time() >= end_at.value:
+                break
+            call_sid = sid("CA")
+            response = await asyncio.to_thread(sim.voice_webhook, call_sid=call_sid, timeout=30.0)
+            if "<Stream" not in response.text:
+                rows.append({"admitted": False, "offered_at": at, "status": response.status_code})
+                if not refused_event.is_set():
+                    refused_event.set()
+                    end_at.value = min(end_at.value, time.time() + hold_s)
+                continue
+            payloads = speech_payloads(int(call_sid[-6:], 16))
+            tasks.append(asyncio.create_task(one_call(sim, call_sid, response.text, payloads, at)))
+        rows += await asyncio.gather(*tasks)
+        return rows
+
+    async def one_call(sim, call_sid: str, twiml: str, payloads: list[str], offered_at: float) -> dict:
+        url, params = parse_stream_twiml(twiml)
+        async with sim.media_stream(url, params, call_sid=call_sid) as call:
+            call.keep_sent = True
+            t0, started = time.monotonic(), time.time()
+            n = 0
+            while time.time() < end_at.value and not call.closed.is_set():
+                delay = t0 + n * 0.020 - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await call.send_media(payloads[n % len(payloads)])
+                n += 1
+        quality = echo_quality(ulaw_decode(bytes(call.sent)), call.played_audio())
+        bad = [
+            k
+            for k, (r, d) in enumerate(zip(quality.correlations, quality.delays_s, strict=True))
+            if r < 0.8 or d - quality.delays_s[0] > 0.2
+        ]
+        return {
+            "admitted": True,
+            "call_sid": call_sid,
+            "offered_at": offered_at,
+            "started_at": started,
+            "seconds": n * 0.020,
+            "judged_seconds": len(quality.correlations),
+            "clean": quality.clean(),
+            "min_correlation": round(min(quality.correlations, default=0.0), 3),
+            "delay_growth_ms": round(1000 * quality.delay_growth_s),
+            "first_bad_at": started + bad[0] if bad else None,
+            "closed_early": call.close_code not in (None, 1000),
+        }
+
+    try:
+        import uvloop
+
+        results.put(uvloop.run(main()))
+    except Exception as exc:
+        results.put([{"error": repr(exc)}])
+
+
+def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes: int) -> dict:
+    """One server (`PERSONAPLEX_TWILIO_MESSAGE_MS=message_ms`, slots enough for any load), calls
+    offered `rate` a second until the first busy answer and `hold_s` more; then the per-second
+    rule over every admitted call, the server's CPU per call-second, and what it counted."""
+    import httpx
+    from support_server import running_server
+
+    ctx = mp.get_context("spawn")
+    shared = (ctx.Event(), ctx.Value("d", 0.0, lock=False))
+    env = {**SERVER_ENV, "PERSONAPLEX_TWILIO_MESSAGE_MS": str(message_ms)}
+    with running_server("--twilio", "--max-sessions", "256", "--log-level", "warning", env=env) as server:
+        start = time.time() + 3.0
+        plan = [start + k / rate for k in range(max_calls)]
+        shared[1].value = plan[-1] + hold_s  # no refusal at all: the run ends after the last offer
+        cpu0 = cpu_seconds(server.process.pid)
+        rows = run_workers(
+            ramp_worker,
+            deal(plan, processes),
+            server.url,
+            hold_s,
+            shared,
+            timeout=max_calls / rate + hold_s + 300,
+        )
+        cpu = cpu_seconds(server.process.pid) - cpu0
+        ready = httpx.get(server.url + "/readyz").json()
+        wait_idle(server.url)
+        auth = {"Authorization": f"Bearer {API_TOKEN}"}
+        records = {
+            r["call_sid"]: httpx.get(f"{server.url}/twilio/calls/{r['call_sid']}", headers=auth).json()
+            for r in rows
+            if r.get("admitted")
+        }
+    errors = [r["error"] for r in rows if "error" in r]
+    admitted = [r for r in rows if r.get("admitted")]
+    # A call admitted in the last moments of the run has no second to judge.
+    calls = [r for r in admitted if r["judged_seconds"]]
+    refusals = [r for r in rows if r.get("admitted") is False]
+    degraded = [r for r in calls if not r["clean"]]
+    bad_times = [r["first_bad_at"] for r in calls if r["first_bad_at"] is not None]
+    first_bad = min(bad_times, default=None)
+    # Clean capacity: every admitted call clean, or else the calls running when the first
+    # second of any call broke the rule.
+    clean = len(calls) if first_bad is None else sum(r["started_at"] < first_bad for r in calls)
+    call_seconds = sum(r["seconds"] for r in admitted)
+    records = {sid: record.get("metrics") or {} for sid, record in records.items()}
+    # What the server counted per call: audio dropped or silence put in to keep the clock (ms).
+    slips = {
+        r["call_sid"]: sum(
+            sum((records.get(r["call_sid"], {}).get(key) or {}).values())
+            for key in ("dropped_ms", "inserted_ms")
+        )
+        for r in admitted
+    }
+    return {
+        "message_ms": message_ms,
+        "ramp_calls_per_s": rate,
+        "admitted": len(admitted),
+        "too_short_to_judge": len(admitted) - len(calls),
+        "refused": len(refusals),
+        "first_refusal_after_s": round(min(r["offered_at"] for r in refusals) - start, 1)
+        if refusals
+        else None,
+        "clean_capacity": clean,
+        "degraded_admitted_calls": len(degraded),
+        "worst_min_correlation": min((r["min_correlation"] for r in calls), default=None),
+        "worst_delay_growth_ms": max((r["delay_growth_ms"] for r in calls), default=None),
+        "server_cpu_ms_per_call_second": round(1000 * cpu / call_seconds, 2) if call_seconds else None,
+        "server_dropped_or_inserted_ms": round(sum(slips.values())),
+        "calls_with_slips": sum(ms > 0 for ms in slips.values()),
+        "readyz_at_end": {k: ready.get(k) for k in ("status", "active")}
+        | {"headroom": ready.get("headroom")},
+        "closed_early": sum(r["closed_early"] for r in admitted),
+        "errors": errors[:3],
+    }
+
+
+def message_size_cost(sizes: list[int], calls: int, seconds: float, rounds: int, processes: int) -> dict:
+    """Server CPU per call-second at `calls` calls with each outbound message size, the sizes
+    in turn for `rounds` rounds (the shared machine's drift hits all alike)."""
+    from support_server import running_server
+
+    cost: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(rounds):
+        for size in sizes:
+            env = {**SERVER_ENV, "PERSONAPLEX_TWILIO_MESSAGE_MS": str(size)}
+            with running_server(
+                "--twilio", "--max-sessions", str(calls), "--log-level", "warning", env=env
+            ) as server:
+                cpu0 = cpu_seconds(server.process.pid)
+                row = run_level(server.url, calls, seconds, processes, 0.01)
+                cpu = cpu_seconds(server.process.pid) - cpu0
+                wait_idle(server.url)
+            if row["errors"] or row["closed_early"]:
+                raise RuntimeError(f"message size {size}: {row}")
+            cost[size].append(1000 * cpu / (calls * seconds))
+            print(
+                json.dumps(
+                    {"message_ms": size, "calls": calls, "cpu_ms_per_call_second": round(cost[size][-1], 2)}
+                ),
+                flush=True,
+            )
+    means = {size: float(np.mean(values)) for size, values in cost.items()}
+    base = means[sizes[0]]
+    return {
+        "cost_calls": calls,
+        "cost_rounds": rounds,
+        "cpu_ms_per_call_second_by_message_ms": {str(k): round(v, 2) for k, v in means.items()},
+        "cpu_ratio_to_first_size": {str(k): ratio(v, base) for k, v in means.items()},
+        "cpu_each_round": {str(k): [round(v, 2) for v in values] for k, values in cost.items()},
+    }
+
+
 def ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
@@ -362,7 +559,38 @@ def main() -> None:
         help="call length in that comparison (a call's fixed costs spread over it)",
     )
     parser.add_argument("--records-only", action="store_true", help="run only the records comparison")
+    parser.add_argument(
+        "--ramp",
+        action="store_true",
+        help="ramp mode: calls added until refusals start, for each --message-ms (then the cost comparison)",
+    )
+    parser.add_argument("--message-ms", default="20,40,80", help="outbound message sizes to compare")
+    parser.add_argument("--ramp-rate", type=float, default=5.0, help="ramp: calls offered per second")
+    parser.add_argument(
+        "--hold-s", type=float, default=10.0, help="ramp: how long the calls go on after the first refusal"
+    )
+    parser.add_argument("--max-calls", type=int, default=250, help="ramp: the most calls offered")
+    parser.add_argument(
+        "--cost-calls",
+        type=int,
+        default=50,
+        help="ramp mode: calls for the CPU comparison of message sizes (0: skip)",
+    )
+    parser.add_argument("--cost-rounds", type=int, default=2)
     args = parser.parse_args()
+    if args.ramp:
+        sizes = [int(v) for v in args.message_ms.split(",")]
+        rows = {}
+        for size in sizes:
+            rows[str(size)] = ramp(size, args.ramp_rate, args.hold_s, args.max_calls, args.processes)
+            print(json.dumps(rows[str(size)]), flush=True)
+        summary: dict = {"ramp": rows, "cpu_count": os.cpu_count()}
+        if args.cost_calls:
+            summary.update(
+                message_size_cost(sizes, args.cost_calls, args.seconds, args.cost_rounds, args.processes)
+            )
+        print(json.dumps(summary))
+        return
     if args.records_only:
         result = records_cost(
             args.records_calls or 25,

@@ -101,7 +101,8 @@ def clock_slips(counts: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, 
     its stats counts: (dropped, inserted). Dropped: `jitter_buffer` (late input that arrived after
     all, trimmed), `input_bound` (input beyond the backlog bound), `slow_consumer` (output its
     reader did not take in time); inserted: `late_input` (silence fed for input not there at a
-    tick). Every reason is present, 0 when nothing happened."""
+    tick, once the caller's audio resumed after it: the silence after a caller's last audio, who
+    hung up, is no slip). Every reason is present, 0 when nothing happened."""
     jitter = int(counts.get("jitter_dropped_frames") or 0)
     bound = max(0, int(counts.get("dropped_input_samples") or 0) - jitter * FRAME_SIZE)
     dropped = {
@@ -109,7 +110,8 @@ def clock_slips(counts: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, 
         "input_bound": round(1000 * bound / SAMPLE_RATE, 1),
         "slow_consumer": int(counts.get("dropped_output_frames") or 0) * FRAME_MS,
     }
-    inserted = {"late_input": int(counts.get("late_frames") or 0) * FRAME_MS}
+    late = int(counts.get("late_frames") or 0) - int(counts.get("trailing_late_frames") or 0)
+    inserted = {"late_input": max(0, late) * FRAME_MS}
     return dropped, inserted
 
 

@@ -76,9 +76,10 @@ class SessionStream:
     """A session's buffers and waiters: the inference thread's side of it (`SlotStream`) and the
     asyncio plumbing that wakes its awaiters. `_lock` guards everything here."""
 
-    def __init__(self, session: Session, config: SchedulerConfig, clock: Clock):
+    def __init__(self, session: Session, config: SchedulerConfig, clock: Clock, metrics: SessionMetrics):
         self.session = session
         self._clock = clock
+        self._metrics = metrics
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._input = FrameBuffer(FRAME_SIZE, max_samples=config.max_input_samples)
@@ -102,6 +103,9 @@ class SessionStream:
             "jitter_dropped_frames": 0,
             "dropped_pre_ready_samples": 0,
             "catchup_frames": 0,
+            # Late frames since the caller's last audio: silence put in the call only once its
+            # audio resumes (a caller who hung up is not a slip of the clock).
+            "trailing_late_frames": 0,
         }
 
     # ---- the transport's side (Session calls these) ----------------------------------------
@@ -179,11 +183,20 @@ class SessionStream:
             if frame is not None:
                 self.counts["frames_in"] += 1
                 self._had_input = True
+                self._resumed()
             return frame
 
     def count_silence(self, late: bool) -> None:
         with self._lock:
             self.counts["late_frames" if late else "lead_in_frames"] += 1
+            self.counts["trailing_late_frames"] += late
+
+    def _resumed(self) -> None:
+        """The caller's audio came after late frames: they were silence put in the call."""
+        run = self.counts["trailing_late_frames"]
+        if run:
+            self.counts["trailing_late_frames"] = 0
+            self._metrics.audio_inserted.inc(run * FRAME_SECONDS, label="late_input")
 
     def trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
         """Drops the spare whole frames `SpareTrimmer` gives up, oldest first, so a client's
@@ -208,6 +221,7 @@ class SessionStream:
             frame = self._input.pop()
             self.counts["frames_in"] += 1
             self.counts["catchup_frames"] += 1
+            self._resumed()
             return frame
 
     def output_backlog(self) -> int:
@@ -262,7 +276,7 @@ class Session:
         self.persona: Persona = prepared.persona
         self._manager = manager
         self._scheduler = manager.scheduler
-        self._stream = SessionStream(self, manager.config, self._scheduler.clock)
+        self._stream = SessionStream(self, manager.config, self._scheduler.clock, manager.metrics)
         self._record = ScheduledSession(self.id, prepared, self._stream, self._scheduler.clock.now())
 
     # ---- state (read off the scheduler's record) ----------------------------------------------

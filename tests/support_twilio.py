@@ -538,20 +538,27 @@ class EchoQuality:
 
 
 def echo_quality(
-    sent: np.ndarray, heard: np.ndarray, *, start_s: float = 0.0, max_delay_s: float = 2.0, rate: int = RATE
+    sent: np.ndarray,
+    heard: np.ndarray,
+    *,
+    start_s: float = 0.0,
+    max_delay_s: float = 2.0,
+    min_delay_room_s: float = 1.0,
+    rate: int = RATE,
 ) -> EchoQuality:
     """Each whole second of `sent` from `start_s` on (both on the caller's timeline: sample 0 =
     its first message), found in `heard` at the delay (0..max_delay_s) where it correlates best.
-    Seconds whose echo window `heard` does not cover are left out (the call ended first)."""
+    Seconds whose echo `heard` does not hold at least `min_delay_room_s` of delays for (the call
+    ended first) are left out."""
     sent = np.asarray(sent, np.float64)
     heard = np.asarray(heard, np.float64)
-    span = round(max_delay_s * rate)
     correlations, delays = [], []
     first = round(start_s * rate)
     for begin in range(first, len(sent) - rate + 1, rate):
         x = sent[begin : begin + rate]
-        window = heard[begin : begin + rate + span]
-        if len(window) < rate + span or not np.any(x):
+        window = heard[begin : begin + rate + round(max_delay_s * rate)]
+        span = len(window) - rate  # the delays this second can be looked for at
+        if span < round(min_delay_room_s * rate) or not np.any(x):
             break
         size = 1 << int(np.ceil(np.log2(len(window) + rate)))
         dots = np.fft.irfft(np.fft.rfft(window, size) * np.conj(np.fft.rfft(x, size)), size)[: span + 1]

@@ -272,8 +272,11 @@ async def test_a_manager_whose_engine_cannot_keep_the_frame_refuses_new_calls_an
     assert manager.readiness()[0] and manager.available == 1
 
 
-def test_the_engine_load_counts_late_silence_per_tick():
-    """The scheduler's own report: late silence fed to streaming sessions over the last second."""
+def test_the_engine_load_counts_late_silence_per_tick_and_slips_count_once_audio_resumes():
+    """The scheduler's own report: late silence fed to streaming sessions over the last second.
+    As a slip of the call (its `inserted_ms`, `audio_inserted_seconds_total`), late silence
+    counts once the caller's audio resumes after it: the silence after a caller's last audio
+    (who hung up) is not one."""
     clock = FakeClock(T0)
     engine = TimedEngine(clock, step_s=0.01, num_slots=4)
     manager = fake_manager(clock, engine)
@@ -286,7 +289,15 @@ def test_the_engine_load_counts_late_silence_per_tick():
     assert load.ticks == 12 and load.streaming_frames == 48
     assert load.late_frames == 24
     assert load.step_load == pytest.approx(0.01 / 0.08)
-    assert np.isclose(
-        values_of(manager.metrics.snapshot())["audio_inserted_seconds_total"]["late_input"],
-        0.08 * manager.metrics.late_frames.value,
-    )
+
+    quiet = sessions[2]
+    late = quiet.stats["late_frames"]
+    assert late > 10 and quiet.stats["trailing_late_frames"] == late
+    assert quiet.stats["inserted_ms"] == {"late_input": 0.0}
+    inserted = values_of(manager.metrics.snapshot())["audio_inserted_seconds_total"]
+    assert inserted.get("late_input", 0.0) == 0.0
+    quiet.push(np.zeros(1920, np.float32))  # the caller is back
+    assert quiet.record.stream.take_frame() is not None
+    assert quiet.stats["inserted_ms"] == {"late_input": pytest.approx(80.0 * late)}
+    inserted = values_of(manager.metrics.snapshot())["audio_inserted_seconds_total"]
+    assert inserted["late_input"] == pytest.approx(0.08 * late)

@@ -780,9 +780,8 @@ class Scheduler:
             if config.realtime and _streaming(stream):
                 trimmed += stream.trim_spare(config.input_slack_frames, config.input_settle_ticks)
         self._recent_late.append((late, streaming))
-        if late:
+        if late:  # (audio_inserted counts them once the caller's audio resumes: SlotStream)
             self.metrics.late_frames.inc(late)
-            self.metrics.audio_inserted.inc(late * FRAME_SECONDS, label="late_input")
         if trimmed:
             self.metrics.jitter_dropped_frames.inc(trimmed)
             self.metrics.dropped_input_samples.inc(trimmed * FRAME_SIZE)

@@ -76,7 +76,9 @@ class SlotStream(Protocol):
         """The next input frame (float32 [FRAME_SIZE]), or None when short of one."""
 
     def count_silence(self, late: bool) -> None:
-        """A tick fed silence: a late frame, or lead-in before the first full frame."""
+        """A tick fed silence: a late frame, or lead-in before the first full frame. Late ones
+        count as silence put in the call once the caller's audio resumes (a caller who stopped
+        talking because they hung up is not a slip of the clock)."""
 
     def trim_spare(self, slack_frames: int, settle_ticks: int | None) -> int:
         """The realtime jitter buffer after a tick; returns the whole frames dropped (a start

@@ -1,0 +1,54 @@
+"""What the phone benchmarks share: simulated callers in worker processes, and a server's CPU.
+
+The simulators share the machine with the server they measure, so they run outside its process
+(spawned workers, each its own event loop and GIL); each worker gets its share of the calls and
+puts its rows on a queue. `bench/twilio_load.py` and `bench/phone_load.py` use this.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def deal(items: Sequence[Any], processes: int) -> list[list[Any]]:
+    """`items` dealt round-robin to `processes` workers (empty shares left out)."""
+    return [share for share in (list(items[i::processes]) for i in range(processes)) if share]
+
+
+def run_workers(
+    target: Callable[..., None], shares: list[list[Any]], *args: Any, timeout: float
+) -> list[dict]:
+    """Run `target(*args, share, queue)` in one spawned process per share; each puts one list of
+    rows on the queue. Returns every row (a worker that failed puts `[{"error": ...}]`)."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, share, results)) for share in shares]
+    for proc in procs:
+        proc.start()
+    rows: list[dict] = []
+    try:
+        for _ in procs:
+            rows += results.get(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return rows
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
