@@ -147,7 +147,7 @@ def run_twilio_calls(base_url: str, calls: int, seconds: float, processes: int) 
     from twilio_load import worker as twilio_worker
 
     return _collect(
-        [(twilio_worker, (base_url, share, seconds)) for share in _shares(calls, processes)], calls, seconds
+        [(twilio_worker, (base_url, seconds, share)) for share in _shares(calls, processes)], calls, seconds
     )
 
 
@@ -237,7 +237,7 @@ def main() -> None:
     top = max([*levels, args.cpu_calls])
     port = free_port()
     audiosocket = ("127.0.0.1", port)
-    env = {**SERVER_ENV, "PERSONAPLEX_PHONE_API_TOKEN": API_TOKEN}
+    env = {**SERVER_ENV, "PERSONAPLEX_PHONE_API_TOKEN": API_TOKEN, "PERSONAPLEX_SATURATION": "0"}
     serve = ("--carriers", "twilio,asterisk", "--audiosocket", f"127.0.0.1:{port}")
     serve += ("--max-sessions", str(top), "--log-level", "warning")
 

@@ -230,7 +230,7 @@ def isolated_worker_cost(sessions: int, seconds: float) -> dict:
     (tmp / "settings.json").write_text(_json.dumps(settings))
     sock = tmp / "w0.sock"
     cmd = [sys.executable, "-m", "personaplex_voice.cluster.worker", "--settings", str(tmp / "settings.json")]
-    env = {**os.environ, "PERSONAPLEX_CLUSTER_SECRET": "bench"}
+    env = {**os.environ, "PERSONAPLEX_CLUSTER_SECRET": "bench", "PERSONAPLEX_SATURATION": "0"}
     worker = subprocess.Popen([*cmd, "--listen", f"unix:{sock}"], env=env)
     result: dict = {}
 
@@ -294,6 +294,7 @@ def run_config(frontends: int, args: argparse.Namespace, ray: object | None = No
         "PUBLIC_URL": "",
         "PERSONAPLEX_TWILIO_API_TOKEN": API_TOKEN,
         "PERSONAPLEX_LOG_LEVEL": "warning",
+        "PERSONAPLEX_SATURATION": "0",  # every call of a level at once: raw capacity, no admission control
     }
     slots = max(max(levels_twilio), max(levels_chat)) // 2 + 8
     cmd = ("--workers", str(frontends), "--engine-workers", "2", "--max-sessions", str(slots), "--twilio")

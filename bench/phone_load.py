@@ -204,7 +204,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="phone-load-") as tmp:
         personas = Path(tmp) / "personas.yaml"
         personas.write_text("default: desk\npersonas:\n  desk: {text_prompt: 'Hello.'}\n")
-        env = {**carrier_env(apis.url, str(personas)), "PERSONAPLEX_LOG_LEVEL": "warning"}
+        # Every call of a level answered at once: raw capacity, admission control off.
+        env = {
+            **carrier_env(apis.url, str(personas)),
+            "PERSONAPLEX_LOG_LEVEL": "warning",
+            "PERSONAPLEX_SATURATION": "0",
+        }
         args_ = ("--carriers", ",".join(carriers), "--max-sessions", str(top), "--log-level", "warning")
         with running_server(*args_, env=env, timeout=120) as server:
             pid = server.process.pid

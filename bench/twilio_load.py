@@ -71,6 +71,10 @@ SERVER_ENV = {
     "PERSONAPLEX_TWILIO_API_TOKEN": API_TOKEN,
     "PERSONAPLEX_LOG_LEVEL": "warning",
 }
+# The level, records and cost modes measure what the server carries with every call answered
+# at once (a connection storm the saturation policy would cut short): admission control off.
+# The ramp mode runs with it on, as served.
+RAW_CAPACITY = {"PERSONAPLEX_SATURATION": "0"}
 
 
 # --- 1. bridge delay --------------------------------------------------------------------------
@@ -298,7 +302,7 @@ def records_cost(calls: int, seconds: float, processes: int, ramp_s: float, roun
         personas.write_text("default: desk\npersonas:\n  desk: {text_prompt: 'Hello.', record: true}\n")
         for _ in range(rounds):
             for mode in ("off", "on"):
-                env = {**SERVER_ENV, "PERSONAPLEX_TWILIO_PERSONAS_FILE": str(personas)}
+                env = {**SERVER_ENV, **RAW_CAPACITY, "PERSONAPLEX_TWILIO_PERSONAS_FILE": str(personas)}
                 extra = ["--records-dir", str(Path(tmp) / "records")] if mode == "on" else []
                 with running_server(
                     "--twilio", "--max-sessions", str(calls), "--log-level", "warning", *extra, env=env
@@ -497,7 +501,7 @@ def message_size_cost(sizes: list[int], calls: int, seconds: float, rounds: int,
     cost: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(rounds):
         for size in sizes:
-            env = {**SERVER_ENV, "PERSONAPLEX_TWILIO_MESSAGE_MS": str(size)}
+            env = {**SERVER_ENV, **RAW_CAPACITY, "PERSONAPLEX_TWILIO_MESSAGE_MS": str(size)}
             with running_server(
                 "--twilio", "--max-sessions", str(calls), "--log-level", "warning", env=env
             ) as server:
@@ -609,7 +613,7 @@ def main() -> None:
 
     from support_server import running_server
 
-    env = dict(SERVER_ENV)
+    env = {**SERVER_ENV, **RAW_CAPACITY}
     best, best_jitter, rows = 0, None, []
     sim_late_at_best = None
     cost = None

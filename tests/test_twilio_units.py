@@ -326,3 +326,48 @@ def test_a_prompt_template_renders_declared_values_and_literal_braces() -> None:
     assert template.render({"name": "Omar", "From": "+1555"}) == "Hi Omar, {not a field} from +1555."
     assert clean_value("two\nlines\x00") == "two lines" and clean_value(True) == "yes"
     assert clean_value({"a": 1}) is None
+
+
+def test_twilio_gets_40_ms_messages_with_a_mark_after_every_frame_and_holds_at_most_80_ms() -> None:
+    """The outbound message size (PERSONAPLEX_TWILIO_MESSAGE_MS, 40 by default: half the
+    WebSocket messages of 20 ms ones): each `media` carries 320 μ-law bytes, a `mark` still
+    follows every 80 ms engine frame, and what Twilio may hold of ours (the cushion and one
+    message) stays within the 100 ms a barge-in lets through; 20 ms messages remain a choice."""
+    import asyncio
+    import base64
+
+    from personaplex_phone.playout import Playout
+    from personaplex_twilio.carrier import TwilioWire
+    from personaplex_twilio.config import TwilioSettings
+
+    assert TwilioSettings(auth_token="t").message_ms == 40
+    wire = TwilioWire(64 * 1024, message_ms=40)
+    start = {
+        "event": "start",
+        "start": {"streamSid": "MZ1", "callSid": "CA1", "customParameters": {}},
+        "streamSid": "MZ1",
+    }
+    event = wire.parse({"text": json.dumps(start)})
+    assert event.outbound.message_ms == 40 and event.inbound.message_ms == 20
+
+    sent: list[str] = []
+
+    async def send(message: str) -> None:
+        sent.append(message)
+
+    class Frames:
+        async def frames(self):
+            for index in range(6):
+                pcm = (0.3 * np.sin(np.arange(1920) / 3)).astype(np.float32)
+                yield type("Out", (), {"pcm": pcm, "index": index, "text": None})()
+
+    playout = Playout(send, max_queued_ms=100, playout_cushion_ms=40, max_buffered_ms=400)
+    playout.start_stream(wire, event.outbound)
+    assert (playout.clock.target_s, playout.clock.max_queued_s) == pytest.approx((0.08, 0.08))
+    asyncio.run(playout.run(Frames()))
+    messages = [json.loads(m) for m in sent]
+    media = [m for m in messages if m["event"] == "media"]
+    assert {len(base64.b64decode(m["media"]["payload"])) for m in media} == {320}
+    assert [m["mark"]["name"] for m in messages if m["event"] == "mark"] == [str(i) for i in range(6)]
+    assert playout.clock.max_seen_queue_s <= 0.080 + 1e-9
+    assert TwilioWire(64 * 1024, message_ms=20).outbound.message_ms == 20
