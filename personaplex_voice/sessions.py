@@ -442,7 +442,7 @@ class SessionManager:
             headroom if self.config.realtime else DISABLED,
             now=scheduler.clock.now,
             engine=scheduler.engine_load,
-            active=lambda: scheduler.held_count,
+            active=lambda: scheduler.held_count + scheduler.reserved_count,
             retry_after_s=self.config.retry_after_s,
         )
         self.headroom.on_change(self._saturation_changed)

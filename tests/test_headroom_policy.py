@@ -97,37 +97,57 @@ def test_a_short_spike_does_not_saturate():
     assert not any(v.refusing for _, v in verdicts)
 
 
-def test_admission_counts_the_calls_admitted_lately_at_what_a_call_costs():
-    """40 calls cost 0.40 of the loop above an idle 0.05: 0.01 each. Admissions within settle_s
-    are not in the measured load yet, so each counts at 0.01; a call is admitted while it fits
-    under the enter level (0.70) with them: 24 (0.45 + 25 x 0.01 would reach it). Then the state
-    is refusing, not saturated; once they settled (their load measured: here it did not grow)
-    the projection is the measurement again."""
+def test_admission_counts_the_calls_taken_on_lately_at_what_a_call_costs():
+    """40 calls cost 0.40 of the loop above an idle 0.05: 0.01 each. Calls taken on within
+    settle_s (the call count's growth) are not in the measured load yet, so each counts at
+    0.01; a call is admitted while it fits under the enter level (0.70) with them: 24 (0.45 +
+    25 x 0.01 would reach it). Then the state is refusing, not saturated; once they settled
+    (their load measured: here it did not grow) the projection is the measurement again."""
     policy = SaturationPolicy(CONFIG)
     policy.update(T0, Signals(loop_load=0.05, active=0))  # the idle loop
-    loaded = Signals(loop_load=0.45, active=40)
-    t = T0 + 1
+    t = T0 + 3
+    policy.update(t, Signals(loop_load=0.45, active=40))
     admitted = 0
-    while not policy.update(t, loaded).refusing and admitted < 100:
-        policy.admitted(t)
+    while not policy.update(t, Signals(loop_load=0.45, active=40 + admitted)).refusing and admitted < 100:
         admitted += 1
         t += 0.01
     assert admitted == 24
     verdict = policy.verdict
     assert verdict.refusing and not verdict.saturated and verdict.why == "loop_load (projected)"
     assert verdict.projected_load == pytest.approx(0.45 + 24 * 0.01)
-    later = policy.update(T0 + 1 + CONFIG.settle_s + 0.5, loaded)
+    later = policy.update(t + CONFIG.settle_s + 0.1, Signals(loop_load=0.45, active=64))
     assert not later.refusing and later.projected_load == pytest.approx(0.45)
 
 
-def test_a_fresh_process_bounds_a_connection_storm():
-    """No call measured yet: each admission counts as FIRST_CALL_LOAD, so a storm of opens on an
-    idle process is cut at the enter level rather than all admitted before any load shows."""
+def test_a_churn_of_short_calls_is_not_taken_for_growth():
+    """Sessions that come and go (three at a time, each a moment long) load the loop, and that
+    load is measured: it is not counted again as calls on their way, nor taken as what one
+    more call costs beyond max_call_load."""
     policy = SaturationPolicy(CONFIG)
-    idle = Signals(loop_load=0.02, active=0)
+    policy.update(T0, Signals(loop_load=0.02, active=0))
+    t = T0 + 1
+    for k in range(200):
+        verdict = policy.update(t, Signals(loop_load=0.50, active=2 + k % 2))
+        t += 0.05
+    assert not verdict.refusing
+    assert verdict.projected_load <= 0.50 + CONFIG.max_call_load + 1e-9
+
+
+def test_calls_whose_media_path_is_heavy_count_at_what_it_costs():
+    """Two calls whose media path alone takes 0.25 of the wall clock each: one more would
+    take the loop to 0.75; the per-call cap is for load the calls do not account for."""
+    policy = SaturationPolicy(CONFIG)
+    policy.update(T0, Signals(loop_load=0.01, active=0))
+    assert not policy.update(T0 + 5, Signals(loop_load=0.26, active=1, media_load=0.25)).refusing
+    assert policy.update(T0 + 10, Signals(loop_load=0.51, active=2, media_load=0.50)).refusing
+
+
+def test_a_fresh_process_bounds_a_connection_storm():
+    """No call measured yet: each admission counts at least FIRST_CALL_LOAD, so a storm of opens
+    on an idle process is cut at the enter level rather than all admitted before any load shows."""
+    policy = SaturationPolicy(CONFIG)
     admitted = 0
-    while not policy.update(T0, idle).refusing and admitted < 1000:
-        policy.admitted(T0)
+    while not policy.update(T0, Signals(loop_load=0.02, active=admitted)).refusing and admitted < 1000:
         admitted += 1
     assert admitted == 67  # 0.02 + 68 x 0.01 would reach 0.70
 

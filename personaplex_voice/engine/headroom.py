@@ -14,9 +14,10 @@ What it has left to give is measured where it is spent, by whoever spends it:
 `SaturationPolicy` (pure: a fake clock and made-up `Signals` test it exactly) decides from those:
 a signal over its *enter* level for its hold time makes the process saturated; it stays so until
 every signal is back under its *exit* level for `exit_hold_s` (hysteresis, in level and in time).
-Admission also looks ahead: calls admitted in the last `settle_s` have not shown up in the
-measured load yet, so each counts at the load a call was seen to cost, and a call that would
-take the loop over its enter level is refused before it gets there. While saturated or so
+Admission also looks ahead: the calls this process took on in the last `settle_s` (the growth of
+its call count) have not shown up in the measured load yet, so each counts at what a call was
+seen to cost, and a call that would take the loop over its enter level is refused before it
+gets there. While saturated or so
 refused, new calls are refused (`SaturatedError`), the calls already talking keep their line.
 
 `Headroom` is the one owner of a process's saturation state: it holds the samples, feeds the
@@ -40,9 +41,8 @@ log = logging.getLogger("personaplex_voice.engine.headroom")
 
 # How often the state is re-evaluated when a caller asks (the loop monitor evaluates on its own).
 EVALUATE_EVERY_S = 0.1
-# What a call is taken to cost the loop before any was measured (a share of one core): about
-# what a phone call costs here (docs/capacity.md), so a connection storm on a fresh process is
-# bounded too.
+# What a call is taken to cost the loop at least (a share of one core): about what a phone call
+# costs here (docs/capacity.md), so a connection storm on a fresh process is bounded too.
 FIRST_CALL_LOAD = 0.01
 
 
@@ -53,7 +53,11 @@ class HeadroomConfig:
     enabled: bool = True
     window_s: float = 1.0  # loop samples are summarized over this long
     exit_hold_s: float = 3.0  # every signal under its exit level this long ends a saturation
-    settle_s: float = 2.0  # an admission counts as load not yet measured (fading over the last window_s)
+    settle_s: float = 2.0  # calls taken on this recently count as load not yet measured
+    # The most a call is believed to cost the loop, from the loop's load over its calls: beyond
+    # it the load is something else (connection churn, webhooks), which the measured load itself
+    # covers. Calls whose own media path costs more (a test's blocked handler) count at that.
+    max_call_load: float = 0.05
     # Event-loop lag: the median of the window's timer delays (a loop whose every other timer
     # is 20 ms late has less left than a phone call's inbound slack and playout cushion; a
     # collection pause or a neighbour's burst moves the median of a second by nothing).
@@ -108,7 +112,8 @@ class Signals:
     step_load: float | None = None
     overruns: int = 0  # clock overruns within the overrun window
     late_share: float | None = None
-    active: int = 0  # calls this process carries now
+    active: int = 0  # calls this process carries now (reserved ones included)
+    media_load: float | None = None  # the calls' media path alone, share of the wall clock
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ class Verdict:
 
 class SaturationPolicy:
     """Saturation with hysteresis, and admission by projected load. Pure: time and signals come
-    from the caller (`update(now, signals)`, `admitted(now)`)."""
+    from the caller (`update(now, signals)`)."""
 
     def __init__(self, config: HeadroomConfig):
         self.config = config
@@ -154,22 +159,19 @@ class SaturationPolicy:
         self.reasons: tuple[str, ...] = ()
         self._over_since: dict[str, float] = {}
         self._calm_since: float | None = None
-        self._admissions: deque[float] = deque()
+        self._active: deque[tuple[float, int]] = deque()  # (time, calls carried) over settle_s
         self._idle_load: float | None = None  # the loop's load with no call (its own overhead)
         self.verdict = Verdict(False, (), None, False)
 
-    def admitted(self, now: float) -> None:
-        """A call was admitted: it counts as pending load for `settle_s`."""
-        self._admissions.append(now)
-
-    def pending(self, now: float) -> float:
-        """Admitted calls whose load the window does not hold yet: each counts whole for
-        `settle_s - window_s` (its stream connecting, its first audio), then less and less as
-        the window fills with it, nothing after `settle_s`."""
-        config = self.config
-        while self._admissions and now - self._admissions[0] > config.settle_s:
-            self._admissions.popleft()
-        return sum(min(1.0, (config.settle_s - (now - at)) / config.window_s) for at in self._admissions)
+    def pending(self, now: float, active: int) -> int:
+        """Calls taken on in the last `settle_s` (what the call count grew by since its lowest),
+        whose load the measured window does not hold yet. Calls that come and go (a churn of
+        short sessions) are in the load already and count nothing here."""
+        history = self._active
+        history.append((now, active))
+        while history and now - history[0][0] > self.config.settle_s:
+            history.popleft()
+        return max(0, active - min(count for _, count in history))
 
     def update(self, now: float, signals: Signals) -> Verdict:
         if not self.config.enabled:
@@ -215,18 +217,25 @@ class SaturationPolicy:
         return self.verdict
 
     def _project(self, now: float, signals: Signals) -> tuple[float | None, float]:
-        """(the loop's load once the calls admitted in the last `settle_s` show up in it, what one
-        call costs): each at what the calls carried now cost on average above the idle loop, or
-        `FIRST_CALL_LOAD` before any was carried."""
+        """(the loop's load once the calls taken on in the last `settle_s` show up in it, what one
+        call costs). A call costs what the calls carried cost on average above the idle loop,
+        between `FIRST_CALL_LOAD` and `max_call_load`, or what their media path alone costs
+        when that is more."""
         load = signals.loop_load
+        active = signals.active
+        pending = self.pending(now, active)
         if load is None:
             return None, 0.0
-        if signals.active == 0:
+        if active == 0:
             previous = self._idle_load
             self._idle_load = load if previous is None else 0.8 * previous + 0.2 * load
-        idle = self._idle_load or 0.0
-        per_call = max(0.0, (load - idle) / signals.active) if signals.active else FIRST_CALL_LOAD
-        return load + self.pending(now) * per_call, per_call
+        per_call = FIRST_CALL_LOAD
+        if active:
+            average = (load - (self._idle_load or 0.0)) / active
+            per_call = min(max(average, FIRST_CALL_LOAD), self.config.max_call_load)
+            if signals.media_load is not None:
+                per_call = max(per_call, signals.media_load / active)
+        return load + pending * per_call, per_call
 
 
 @dataclass(frozen=True)
@@ -381,9 +390,8 @@ class Headroom:
         return MediaMeter(self)
 
     def admitted(self) -> None:
-        """A call was admitted (an open, or a reservation for one)."""
-        with self._lock:
-            self._policy.admitted(self._now())
+        """A call was admitted (an open, or a reservation for one): decide afresh now, so a burst
+        of admissions is judged one by one."""
         self.evaluate()
 
     # ---- the state ------------------------------------------------------------------------------
@@ -452,7 +460,9 @@ class Headroom:
         window.trim(now, config.window_s)
         lags = sorted(lag for _, lag in window.lags)
         loop_lag = lags[len(lags) // 2] if lags else None
-        loop_load = sum(load for _, load, _ in window.loads) / len(window.loads) if window.loads else None
+        loads = window.loads
+        loop_load = sum(load for _, load, _ in loads) / len(loads) if loads else None
+        media_load = sum(media for _, _, media in loads) / len(loads) if loads else None
         step_load = late_share = None
         overruns = 0
         if self._engine is not None:
@@ -464,7 +474,7 @@ class Headroom:
             overruns = engine.overruns - self._overruns[0][1]
             if engine.ticks and engine.streaming_frames >= config.late_min_sessions * engine.ticks:
                 late_share = engine.late_frames / engine.streaming_frames
-        return Signals(loop_lag, loop_load, step_load, overruns, late_share, self._active())
+        return Signals(loop_lag, loop_load, step_load, overruns, late_share, self._active(), media_load)
 
     def _log_change(self, verdict: Verdict, signals: Signals) -> None:
         described = ", ".join(
@@ -500,8 +510,7 @@ class Headroom:
         metrics.saturated.set(1.0 if verdict.refusing else 0.0)
         metrics.loop_lag.set(signals.loop_lag_s or 0.0)
         metrics.loop_load.set(signals.loop_load or 0.0)
-        loads = self._window.loads
-        metrics.media_load.set(sum(m for _, _, m in loads) / len(loads) if loads else 0.0)
+        metrics.media_load.set(signals.media_load or 0.0)
         metrics.step_load.set(signals.step_load or 0.0)
 
 
