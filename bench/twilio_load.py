@@ -52,6 +52,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -382,11 +383,13 @@ def ramp_worker(base_url: str, hold_s: float, shared: tuple, plan: list[float], 
         async with sim.media_stream(url, params, call_sid=call_sid) as call:
             call.keep_sent = True
             t0, started = time.monotonic(), time.time()
-            n = 0
+            n = late_sends = 0
             while time.time() < end_at.value and not call.closed.is_set():
                 delay = t0 + n * 0.020 - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                elif delay < -0.030:  # this simulator itself is late: no server's doing
+                    late_sends += 1
                 await call.send_media(payloads[n % len(payloads)])
                 n += 1
         quality = echo_quality(ulaw_decode(bytes(call.sent)), call.played_audio())
@@ -407,6 +410,7 @@ def ramp_worker(base_url: str, hold_s: float, shared: tuple, plan: list[float], 
             "delay_growth_ms": round(1000 * quality.delay_growth_s),
             "first_bad_at": started + bad[0] if bad else None,
             "closed_early": call.close_code not in (None, 1000),
+            "late_sends": late_sends,
         }
 
     try:
@@ -431,6 +435,10 @@ def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes:
         start = time.time() + 3.0
         plan = [start + k / rate for k in range(max_calls)]
         shared[1].value = plan[-1] + hold_s  # no refusal at all: the run ends after the last offer
+        trace: list[dict] = []  # what the server said of its headroom, every half second
+        watching = threading.Event()
+        watcher = threading.Thread(target=watch_headroom, args=(server.url, trace, watching), daemon=True)
+        watcher.start()
         cpu0 = cpu_seconds(server.process.pid)
         rows = run_workers(
             ramp_worker,
@@ -441,6 +449,8 @@ def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes:
             timeout=max_calls / rate + hold_s + 300,
         )
         cpu = cpu_seconds(server.process.pid) - cpu0
+        watching.set()
+        watcher.join()
         ready = httpx.get(server.url + "/readyz").json()
         wait_idle(server.url)
         auth = {"Authorization": f"Bearer {API_TOKEN}"}
@@ -470,6 +480,7 @@ def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes:
         )
         for r in admitted
     }
+    first_refusal = min((r["offered_at"] for r in refusals), default=None)
     return {
         "message_ms": message_ms,
         "ramp_calls_per_s": rate,
@@ -481,6 +492,8 @@ def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes:
         else None,
         "clean_capacity": clean,
         "degraded_admitted_calls": len(degraded),
+        # of which the simulator sending them was itself late (the machine, not the server)
+        "degraded_while_simulator_late": sum(r["late_sends"] > 0 for r in degraded),
         "worst_min_correlation": min((r["min_correlation"] for r in calls), default=None),
         "worst_delay_growth_ms": max((r["delay_growth_ms"] for r in calls), default=None),
         "server_cpu_ms_per_call_second": round(1000 * cpu / call_seconds, 2) if call_seconds else None,
@@ -489,8 +502,41 @@ def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes:
         "readyz_at_end": {k: ready.get(k) for k in ("status", "active")}
         | {"headroom": ready.get("headroom")},
         "closed_early": sum(r["closed_early"] for r in admitted),
+        "late_sends_by_simulators": sum(r["late_sends"] for r in admitted),
+        "headroom_at_first_refusal": nearest(trace, first_refusal),
+        "headroom_at_first_bad_second": nearest(trace, first_bad),
         "errors": errors[:3],
+        # (calls, loop load) every 2 s: where the load stood as calls were added
+        "load_by_calls": [(t["active"], t["loop_load"]) for t in trace[::4]],
     }
+
+
+def watch_headroom(base_url: str, trace: list[dict], done: threading.Event) -> None:
+    """/readyz every half second: the server's calls and headroom signals, stamped."""
+    import httpx
+
+    while not done.wait(0.5):
+        try:
+            body = httpx.get(base_url + "/readyz", timeout=5).json()
+        except Exception:
+            continue
+        headroom = body.get("headroom") or {}
+        trace.append(
+            {
+                "at": time.time(),
+                "active": body.get("active"),
+                "reserved": body.get("reserved"),
+                **{k: headroom.get(k) for k in ("saturated", "loop_load", "loop_lag_ms", "late_share")},
+            }
+        )
+
+
+def nearest(trace: list[dict], at: float | None) -> dict | None:
+    """The trace's sample nearest `at` (its time left out)."""
+    if at is None or not trace:
+        return None
+    sample = min(trace, key=lambda s: abs(s["at"] - at))
+    return {k: v for k, v in sample.items() if k != "at"}
 
 
 def message_size_cost(sizes: list[int], calls: int, seconds: float, rounds: int, processes: int) -> dict:
