@@ -22,6 +22,7 @@ from personaplex_phone.carrier import (
     StreamStart,
     Webhook,
 )
+from personaplex_phone.carrier_kit import TWIML_FIELDS, CarrierDefaults
 from personaplex_phone.service import form_fields
 from personaplex_phone.wire_json import JsonStreamWire
 from starlette.requests import HTTPConnection
@@ -81,7 +82,7 @@ class TwilioWire(JsonStreamWire):
         return self.messages.clear()
 
 
-class TwilioCarrier:
+class TwilioCarrier(CarrierDefaults):
     name = "twilio"
     paths = CarrierPaths(
         answer=VOICE_PATH, answer_methods=("POST",), status=STATUS_PATH, media=MEDIA_STREAM_PATH
@@ -112,29 +113,17 @@ class TwilioCarrier:
         return self.signatures.check_upgrade(conn)
 
     def facts(self, webhook: Webhook) -> CallFacts:
-        form = webhook.fields
-        return CallFacts(
-            call_id=form.get("CallSid", ""),
-            from_=form.get("From", ""),
-            to=form.get("To", ""),
-            direction=form.get("Direction", "inbound"),
-            account=form.get("AccountSid", ""),
-        )
+        return TWIML_FIELDS.facts(webhook.fields)
 
     def status(self, webhook: Webhook) -> CallStatus | None:
         form = webhook.fields
         status = form.get("CallStatus", "unknown")
-        facts = CallFacts(
-            form.get("CallSid", ""), form.get("From", ""), form.get("To", ""), form.get("Direction", "")
-        )
+        facts = TWIML_FIELDS.status_facts(form)
         return CallStatus(
             facts.call_id, status, status in TERMINAL_STATUSES, facts, form.get("CallDuration", "")
         )
 
     # --- markup --------------------------------------------------------------------------------
-    def stream_url(self, ws_base: str, ticket: str) -> str:
-        return f"{ws_base}/{ticket}"
-
     def answer_stream(self, stream_url: str, params: Mapping[str, str], facts: CallFacts) -> Reply:
         return Reply(twiml.connect_stream(stream_url, params), XML)
 
