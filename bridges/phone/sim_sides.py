@@ -6,8 +6,8 @@
 - `JsonMediaSide`: the Twilio-style JSON media stream (`connected`, `start`, `media` with base64
   payloads, `mark`, `dtmf`, `stop`, each with a running sequence number and the stream's id)
   that Twilio, Telnyx and Exotel speak, each with its own key names and sections.
-- Helpers for a side's requests: a signed form POST, a path's query, `<Connect><Stream>`
-  answers, the secret a side signs with.
+- Helpers for a side's requests: a signed form POST, a path's query, the TwiML-style call form
+  and `<Connect><Stream>` answer, the secret a side signs with.
 
 Pure data like the sides themselves: the simulator (simulator.py) does the I/O.
 """
@@ -44,6 +44,18 @@ def with_query(path: str, query: str, joiner: str = "?") -> str:
 def form_post(path: str, form: Mapping[str, str], headers: Mapping[str, str]) -> HttpRequest:
     """A form POST, the shape of most carriers' webhooks; `headers` carry its signature."""
     return HttpRequest("POST", path, {**headers, "Content-Type": FORM}, urlencode(form).encode())
+
+
+def twiml_call(account: str, call_id: str, to: str, from_: str) -> dict[str, str]:
+    """A TwiML-style answer webhook's form for a ringing inbound call (Twilio's; TeXML mirrors it)."""
+    return {
+        "AccountSid": account,
+        "CallSid": call_id,
+        "From": from_,
+        "To": to,
+        "CallStatus": "ringing",
+        "Direction": "inbound",
+    }
 
 
 def connect_stream(status: int, body: bytes) -> tuple[ET.Element, dict[str, str]] | None:

@@ -17,7 +17,14 @@ from typing import Any, ClassVar
 from urllib.parse import urlencode
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from personaplex_phone.sim_sides import JsonMediaSide, connect_stream, form_post, secret, with_query
+from personaplex_phone.sim_sides import (
+    JsonMediaSide,
+    connect_stream,
+    form_post,
+    secret,
+    twiml_call,
+    with_query,
+)
 from personaplex_phone.simulator import HttpRequest, StreamOffer
 
 from .signatures import SIGNATURE_HEADER, TIMESTAMP_HEADER, signed_message
@@ -63,15 +70,7 @@ class TelnyxSide(JsonMediaSide):
     def answer_request(
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
     ) -> HttpRequest:
-        form = {
-            "AccountSid": ACCOUNT_SID,
-            "CallSid": call_id,
-            "From": from_,
-            "To": to,
-            "CallStatus": "ringing",
-            "Direction": "inbound",
-        }
-        return self._signed(with_query("/telnyx/voice", query), form)
+        return self._signed(with_query("/telnyx/voice", query), twiml_call(ACCOUNT_SID, call_id, to, from_))
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
         found = connect_stream(status, body)

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from personaplex_phone.carrier import MULAW_8K
-from personaplex_phone.sim_sides import JsonMediaSide, connect_stream, form_post, secret, with_query
+from personaplex_phone.sim_sides import (
+    JsonMediaSide,
+    connect_stream,
+    form_post,
+    secret,
+    twiml_call,
+    with_query,
+)
 from personaplex_phone.simulator import HttpRequest, StreamOffer
 
 from twilio.request_validator import RequestValidator
@@ -42,15 +49,7 @@ class TwilioSide(JsonMediaSide):
     def answer_request(
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
     ) -> HttpRequest:
-        form = {
-            "AccountSid": ACCOUNT_SID,
-            "CallSid": call_id,
-            "From": from_,
-            "To": to,
-            "CallStatus": "ringing",
-            "Direction": "inbound",
-            "ApiVersion": "2010-04-01",
-        }
+        form = {**twiml_call(ACCOUNT_SID, call_id, to, from_), "ApiVersion": "2010-04-01"}
         return self._signed(public_url, with_query("/twilio/voice", query), form)
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
