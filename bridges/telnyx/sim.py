@@ -17,14 +17,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlencode
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from personaplex_phone.sim_sides import (
-    JsonMediaSide,
-    connect_stream,
-    form_post,
-    secret,
-    twiml_call,
-    with_query,
-)
+from personaplex_phone import sim_sides as kit
 from personaplex_phone.simulator import HttpRequest, StreamOffer
 
 from .signatures import SIGNATURE_HEADER, TIMESTAMP_HEADER, signed_message
@@ -42,7 +35,7 @@ def keypair() -> tuple[str, str]:
     return base64.b64encode(seed).decode(), base64.b64encode(public).decode()
 
 
-class TelnyxSide(JsonMediaSide):
+class TelnyxSide(kit.JsonMediaSide):
     name = "telnyx"
     stream_key = "stream_id"
     seq_key = "sequence_number"
@@ -65,15 +58,17 @@ class TelnyxSide(JsonMediaSide):
         return {SIGNATURE_HEADER: base64.b64encode(signature).decode(), TIMESTAMP_HEADER: stamp}
 
     def _signed(self, path: str, form: dict[str, str]) -> HttpRequest:
-        return form_post(path, form, self.sign(urlencode(form).encode()))
+        return kit.form_post(path, form, self.sign(urlencode(form).encode()))
 
     def answer_request(
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
     ) -> HttpRequest:
-        return self._signed(with_query("/telnyx/voice", query), twiml_call(ACCOUNT_SID, call_id, to, from_))
+        return self._signed(
+            kit.with_query("/telnyx/voice", query), kit.twiml_call(ACCOUNT_SID, call_id, to, from_)
+        )
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
-        found = connect_stream(status, body)
+        found = kit.connect_stream(status, body)
         if found is None:
             return None
         stream, params = found
@@ -111,4 +106,4 @@ def side(private_key: str | None = None, inbound_codec: str = "PCMU", inbound_ra
         "the Telnyx simulator signs like Telnyx: set TELNYX_PRIVATE_KEY to the private half of the "
         "server's TELNYX_PUBLIC_KEY (make a pair with `personaplex-voice phone keypair`)"
     )
-    return TelnyxSide(secret(private_key, "TELNYX_PRIVATE_KEY", why), inbound_codec, inbound_rate)
+    return TelnyxSide(kit.secret(private_key, "TELNYX_PRIVATE_KEY", why), inbound_codec, inbound_rate)

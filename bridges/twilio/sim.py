@@ -12,15 +12,8 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from personaplex_phone import sim_sides as kit
 from personaplex_phone.carrier import MULAW_8K
-from personaplex_phone.sim_sides import (
-    JsonMediaSide,
-    connect_stream,
-    form_post,
-    secret,
-    twiml_call,
-    with_query,
-)
 from personaplex_phone.simulator import HttpRequest, StreamOffer
 
 from twilio.request_validator import RequestValidator
@@ -28,7 +21,7 @@ from twilio.request_validator import RequestValidator
 ACCOUNT_SID = "AC" + "0" * 32
 
 
-class TwilioSide(JsonMediaSide):
+class TwilioSide(kit.JsonMediaSide):
     name = "twilio"
     stream_key = "streamSid"
     seq_key = "sequenceNumber"
@@ -44,16 +37,16 @@ class TwilioSide(JsonMediaSide):
 
     def _signed(self, public_url: str, path: str, form: dict[str, str]) -> HttpRequest:
         signature = self.validator.compute_signature(public_url + path, form)
-        return form_post(path, form, {"X-Twilio-Signature": signature})
+        return kit.form_post(path, form, {"X-Twilio-Signature": signature})
 
     def answer_request(
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
     ) -> HttpRequest:
-        form = {**twiml_call(ACCOUNT_SID, call_id, to, from_), "ApiVersion": "2010-04-01"}
-        return self._signed(public_url, with_query("/twilio/voice", query), form)
+        form = {**kit.twiml_call(ACCOUNT_SID, call_id, to, from_), "ApiVersion": "2010-04-01"}
+        return self._signed(public_url, kit.with_query("/twilio/voice", query), form)
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
-        found = connect_stream(status, body)
+        found = kit.connect_stream(status, body)
         if found is None:
             return None
         stream, params = found
@@ -85,4 +78,4 @@ class TwilioSide(JsonMediaSide):
 
 def side(auth_token: str | None = None) -> TwilioSide:
     why = "the Twilio simulator signs like Twilio: set TWILIO_AUTH_TOKEN (the server's)"
-    return TwilioSide(secret(auth_token, "TWILIO_AUTH_TOKEN", why))
+    return TwilioSide(kit.secret(auth_token, "TWILIO_AUTH_TOKEN", why))
