@@ -1,30 +1,38 @@
-"""Every carrier at its edge: the secrets a test server and its simulated carriers share, and a
-recording fake of the carriers' REST APIs (the one thing faked; carriers are unreachable here).
+"""Every carrier at its edge: the secrets a test server and its simulated carriers share, a
+recording fake of the carriers' REST APIs (the one thing faked; carriers are unreachable here),
+and what phone tests ask of a running server (its calls, a call's record, waiting for both).
 
     apis = FakeCarrierApis().start()
     env = carrier_env(apis.url, personas_file)          # for `serve --carriers …`
     sim = PhoneSimulator(carrier_side("plivo"), server.url, public_url=PUBLIC_URL)
     apis.requests_for("plivo")                          # what the server asked Plivo to do
+    await wait_idle(server); record = await wait_ended(server, call_id)
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import http.server
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+import numpy as np
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from personaplex_phone.simulator import load_side
 from personaplex_telnyx.sim import keypair
 
-CARRIERS = ("twilio", "telnyx", "plivo", "vonage", "exotel")
+CARRIERS = ("twilio", "telnyx", "plivo", "vonage", "exotel")  # the cloud carriers (REST call control)
+PLATFORMS = ("asterisk", "jambonz", "genesys")  # self-hosted switches and contact-center platforms
+EVERY_CARRIER = (*CARRIERS, *PLATFORMS)
 PUBLIC_URL = "https://voice.example.test"
 API_TOKEN = "phone-test-api-token"
 WEBHOOK_SECRET = "phone-test-webhook-secret"
@@ -43,6 +51,9 @@ VONAGE_PEM = VONAGE_KEY.private_bytes(
     serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
 ).decode()
 EXOTEL_KEY, EXOTEL_TOKEN, EXOTEL_SID = "phone-test-exotel-key", "phone-test-exotel-token", "acme1"
+JAMBONZ_SECRET = "phone-test-jambonz-webhook-secret"
+GENESYS_KEY = "phone-test-genesys-api-key"
+GENESYS_SECRET = base64.b64encode(b"phone-test-genesys-client-key-01").decode()
 
 
 def carrier_side(name: str, **options: Any) -> Any:
@@ -53,6 +64,9 @@ def carrier_side(name: str, **options: Any) -> Any:
         "plivo": {"auth_id": PLIVO_ID, "auth_token": PLIVO_TOKEN},
         "vonage": {"signature_secret": VONAGE_SECRET},
         "exotel": {"api_key": EXOTEL_KEY, "api_token": EXOTEL_TOKEN},
+        "asterisk": {"api_key": API_TOKEN},
+        "jambonz": {"webhook_secret": JAMBONZ_SECRET},
+        "genesys": {"api_key": GENESYS_KEY, "client_secret": GENESYS_SECRET},
     }[name]
     return load_side(name, **secrets_, **options)
 
@@ -65,12 +79,24 @@ def wrong_side(name: str) -> Any:
         "plivo": {"auth_id": PLIVO_ID, "auth_token": "not-the-token"},
         "vonage": {"signature_secret": "not-the-server's-signature-secret-but-long-enough"},
         "exotel": {"api_key": EXOTEL_KEY, "api_token": "not-the-token"},
+        "asterisk": {"api_key": "not-the-api-token"},
+        "jambonz": {"webhook_secret": "not-the-secret"},
+        "genesys": {"api_key": "not-the-key", "client_secret": GENESYS_SECRET},
     }[name]
     return load_side(name, **other)
 
 
-def carrier_env(api_url: str, personas_file: str) -> dict[str, str]:
-    """The environment of a server answering every carrier, their REST APIs at `api_url`."""
+def carrier_env(api_url: str | None, personas_file: str) -> dict[str, str]:
+    """The environment of a server answering every carrier, their REST APIs at `api_url` (None:
+    no carrier's REST API is used). It also holds what the simulators sign with, for `phone
+    simulate` run with it."""
+    rest = {
+        "PERSONAPLEX_TWILIO_API_URL": f"{api_url}/twilio",
+        "PERSONAPLEX_TELNYX_API_URL": f"{api_url}/telnyx",
+        "PERSONAPLEX_PLIVO_API_URL": f"{api_url}/plivo",
+        "PERSONAPLEX_VONAGE_API_URL": f"{api_url}/vonage",
+        "PERSONAPLEX_EXOTEL_API_URL": f"{api_url}/exotel",
+    }
     return {
         "PUBLIC_URL": PUBLIC_URL,
         "PERSONAPLEX_PHONE_PERSONAS_FILE": personas_file,
@@ -79,21 +105,21 @@ def carrier_env(api_url: str, personas_file: str) -> dict[str, str]:
         "PERSONAPLEX_PHONE_WEBHOOK_BACKOFF_S": "0.2",
         "TWILIO_AUTH_TOKEN": TWILIO_TOKEN,
         "TWILIO_ACCOUNT_SID": TWILIO_ACCOUNT,
-        "PERSONAPLEX_TWILIO_API_URL": api_url + "/twilio",
         "TELNYX_PUBLIC_KEY": TELNYX_PUBLIC,
+        "TELNYX_PRIVATE_KEY": TELNYX_PRIVATE,  # the simulator's half
         "TELNYX_API_KEY": TELNYX_API_KEY,
-        "PERSONAPLEX_TELNYX_API_URL": api_url + "/telnyx",
         "PLIVO_AUTH_ID": PLIVO_ID,
         "PLIVO_AUTH_TOKEN": PLIVO_TOKEN,
-        "PERSONAPLEX_PLIVO_API_URL": api_url + "/plivo",
         "VONAGE_SIGNATURE_SECRET": VONAGE_SECRET,
         "VONAGE_APPLICATION_ID": VONAGE_APP,
         "VONAGE_PRIVATE_KEY": VONAGE_PEM,
-        "PERSONAPLEX_VONAGE_API_URL": api_url + "/vonage",
         "EXOTEL_API_KEY": EXOTEL_KEY,
         "EXOTEL_API_TOKEN": EXOTEL_TOKEN,
         "EXOTEL_ACCOUNT_SID": EXOTEL_SID,
-        "PERSONAPLEX_EXOTEL_API_URL": api_url + "/exotel",
+        "JAMBONZ_WEBHOOK_SECRET": JAMBONZ_SECRET,
+        "GENESYS_API_KEY": GENESYS_KEY,
+        "GENESYS_CLIENT_SECRET": GENESYS_SECRET,
+        **(rest if api_url is not None else {}),
     }
 
 
@@ -187,3 +213,61 @@ class FakeCarrierApis:
 def basic_user(headers: dict[str, str]) -> str:
     value = headers.get("authorization", "")
     return base64.b64decode(value[6:]).decode().partition(":")[0] if value.startswith("Basic ") else ""
+
+
+# --- a running server's calls --------------------------------------------------------------------
+
+
+def calls_state(server: Any) -> dict:
+    """`GET /phone/calls`: slots, reservations, live calls, the latest records."""
+    response = httpx.get(server.url + "/phone/calls", headers={"Authorization": f"Bearer {API_TOKEN}"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def record_of(server: Any, call_id: str) -> dict:
+    response = httpx.get(
+        f"{server.url}/phone/calls/{call_id}", headers={"Authorization": f"Bearer {API_TOKEN}"}
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def wait_for(check: Callable[[], bool], what: str = "condition", timeout: float = 15.0) -> None:
+    """Until `check()` (run off the loop: it may ask the server) is true; fails saying `what`."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(check):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_idle(server: Any) -> None:
+    """Until no session runs, no slot is reserved and no call is live."""
+
+    def idle() -> bool:
+        state = calls_state(server)
+        return state["active_sessions"] == 0 and state["reserved"] == 0 and not state["live"]
+
+    await wait_for(idle, "the slots to be freed")
+
+
+async def wait_ended(server: Any, call_id: str) -> dict:
+    """The call's record once closed (a moment after the stream ends)."""
+    record: dict = {}
+
+    def ended() -> bool:
+        nonlocal record
+        record = record_of(server, call_id)
+        return record.get("ended_at") is not None
+
+    await wait_for(ended, f"call {call_id}'s record to close")
+    return record
+
+
+def speechlike(seconds: float, rate: int, seed: int = 5) -> np.ndarray:
+    """Band-limited noise with a syllable-rate envelope (broadband: correlation finds its lag)."""
+    rng = np.random.default_rng(seed)
+    n = round(seconds * rate)
+    noise = np.convolve(rng.standard_normal(n), np.hanning(round(rate / 1000) + 5) / 4, "same")
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3.0 * np.arange(n) / rate)
+    return (0.3 * noise * envelope).astype(np.float32)

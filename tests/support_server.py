@@ -309,15 +309,16 @@ def log_spectrogram(x, rate: int = 24000):
     return np.log10(np.abs(z) + 1e-4)
 
 
-def echo_similarity(sent, received, segment_s: float = 1.0, rate: int = 24000) -> float:
-    """How recognisably `received` is the echo of `sent`: per one-second segment of `sent`, the
+def echo_similarity(sent, received, segment_s: float = 0.5, rate: int = 24000) -> float:
+    """How recognisably `received` is the echo of `sent`: per half-second segment of `sent`, the
     best correlation of log-spectrograms (two Opus passes keep spectra, not waveforms) within
     4 frames of the overall delay, then the energy-weighted median over the segments.
 
     Per segment, because a real-time server that misses a tick shifts the rest of the echo by a
-    frame; the median, because a busy machine's stalls (late frames fed as silence, a frame
-    dropped later) cost the seconds they hit and no more: one wrong or silent echo still scores
-    low in every second. How well a server keeps time is measured by the benches."""
+    frame; short segments and the median, because a busy machine's stalls (late frames fed as
+    silence, a frame dropped later) cost the segments they hit and no more (a late frame in
+    every six still scores 0.86), while a silent echo, noise or other speech score low in every
+    segment (0.02, 0.02, 0.55). How well a server keeps time is measured by the benches."""
 
     scores, weights = echo_segment_scores(sent, received, segment_s, rate)
     if not scores:
@@ -327,7 +328,7 @@ def echo_similarity(sent, received, segment_s: float = 1.0, rate: int = 24000) -
     return float(np.asarray(scores)[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
 
 
-def echo_segment_scores(sent, received, segment_s: float = 1.0, rate: int = 24000):
+def echo_segment_scores(sent, received, segment_s: float = 0.5, rate: int = 24000):
     """([best correlation per voiced segment], [its energy]) for `echo_similarity`."""
     from scipy.signal import correlate
 

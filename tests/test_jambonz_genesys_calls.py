@@ -24,9 +24,22 @@ import numpy as np
 import pytest
 from personaplex_genesys.sim import GenesysSide
 from personaplex_jambonz import signatures
-from personaplex_jambonz.sim import JambonzSide
 from personaplex_phone.simulator import PhoneSimulator
 from support_audio import espeak_speech
+from support_phone import (
+    API_TOKEN,
+    GENESYS_KEY,
+    GENESYS_SECRET,
+    JAMBONZ_SECRET,
+    PUBLIC_URL,
+    calls_state,
+    carrier_env,
+    carrier_side,
+    wait_ended,
+    wait_for,
+    wait_idle,
+    wrong_side,
+)
 from support_server import ServerProcess, echo_similarity, running_server
 from support_twilio import HttpSink
 
@@ -34,13 +47,7 @@ from personaplex_voice.audio.resample import resample
 
 pytestmark = pytest.mark.timeout(300)
 
-PUBLIC_URL = "https://voice.example.test"
 PUBLIC_WS = "wss://voice.example.test"
-API_TOKEN = "platform-test-api-token"
-WEBHOOK_SECRET = "platform-test-webhook-secret"
-JAMBONZ_SECRET = "platform-test-jambonz-webhook-secret"
-GENESYS_KEY = "platform-test-genesys-api-key"
-GENESYS_SECRET = base64.b64encode(b"platform-test-genesys-client-key").decode()
 TRANSFER_TO = "+15551230099"
 IDLE_S = 5  # the server's idle limit: a line without caller audio this long is hung up
 PERSONAS = """
@@ -68,16 +75,7 @@ def sink() -> Iterator[HttpSink]:
 def server(tmp_path_factory: pytest.TempPathFactory, sink: HttpSink) -> Iterator[ServerProcess]:
     personas = tmp_path_factory.mktemp("platforms") / "personas.yaml"
     personas.write_text(PERSONAS.replace("SINK", sink.url + "/calls"))
-    env = {
-        "PUBLIC_URL": PUBLIC_URL,
-        "PERSONAPLEX_PHONE_PERSONAS_FILE": str(personas),
-        "PERSONAPLEX_PHONE_API_TOKEN": API_TOKEN,
-        "PERSONAPLEX_PHONE_WEBHOOK_SECRET": WEBHOOK_SECRET,
-        "JAMBONZ_WEBHOOK_SECRET": JAMBONZ_SECRET,
-        "GENESYS_API_KEY": GENESYS_KEY,
-        "GENESYS_CLIENT_SECRET": GENESYS_SECRET,
-        "PERSONAPLEX_PHONE_IDLE_TIMEOUT_S": str(IDLE_S),
-    }
+    env = {**carrier_env(None, str(personas)), "PERSONAPLEX_PHONE_IDLE_TIMEOUT_S": str(IDLE_S)}
     with running_server("--carriers", "jambonz,genesys", "--max-sessions", "2", env=env) as proc:
         yield proc
 
@@ -88,54 +86,12 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, int]:
     return pcm[: rate * 3], rate
 
 
-def jambonz(server: ServerProcess, secret: str = JAMBONZ_SECRET) -> PhoneSimulator:
-    return PhoneSimulator(JambonzSide(secret), server.url, public_url=PUBLIC_URL)
+def jambonz(server: ServerProcess) -> PhoneSimulator:
+    return PhoneSimulator(carrier_side("jambonz"), server.url, public_url=PUBLIC_URL)
 
 
 def genesys(server: ServerProcess, key: str = GENESYS_KEY, secret: str = GENESYS_SECRET) -> PhoneSimulator:
     return PhoneSimulator(GenesysSide(key, secret), server.url, public_url=PUBLIC_URL)
-
-
-def calls_state(server: ServerProcess) -> dict:
-    response = httpx.get(server.url + "/phone/calls", headers={"Authorization": f"Bearer {API_TOKEN}"})
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def record_of(server: ServerProcess, call_id: str) -> dict:
-    response = httpx.get(
-        f"{server.url}/phone/calls/{call_id}", headers={"Authorization": f"Bearer {API_TOKEN}"}
-    )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-async def wait_for(check, what: str, timeout: float = 15.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if await asyncio.to_thread(check):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-async def wait_idle(server: ServerProcess) -> None:
-    def idle() -> bool:
-        state = calls_state(server)
-        return state["active_sessions"] == 0 and state["reserved"] == 0
-
-    await wait_for(idle, "the slots to be free")
-
-
-async def wait_ended(server: ServerProcess, call_id: str) -> dict:
-    record: dict = {}
-
-    def ended() -> bool:
-        nonlocal record
-        record = record_of(server, call_id)
-        return record.get("ended_at") is not None
-
-    await wait_for(ended, f"call {call_id}'s record to close")
-    return record
 
 
 def at(signal: tuple[np.ndarray, int], rate: int) -> np.ndarray:
@@ -161,7 +117,7 @@ async def test_jambonz_refuses_unsigned_wrongly_signed_stale_webhooks_and_stream
     good = sim.side.answer_request(PUBLIC_URL, sim.new_call_id(), "+15550100001", "+15550100002")
     unsigned = good.__class__(good.method, good.path, {"Content-Type": "application/json"}, good.body)
     assert (await sim.request(unsigned))[0] == 403
-    forged = jambonz(server, secret="not-the-secret").side.answer_request(PUBLIC_URL, "c1", "+1", "+2")
+    forged = wrong_side("jambonz").answer_request(PUBLIC_URL, "c1", "+1", "+2")
     assert (await sim.request(forged))[0] == 403
     stale_header = signatures.sign(JAMBONZ_SECRET, good.body, timestamp=1_600_000_000)
     stale = good.__class__(

@@ -1,7 +1,7 @@
 """Every carrier end to end: its simulated side (personaplex_phone.simulator, signing as the carrier
-signs) against `personaplex-voice serve --engine echo --carriers twilio,telnyx,plivo,vonage,exotel`
-under uvicorn, the carriers' REST APIs faked by a recording local server (support_phone), the
-post-call webhooks received by a local sink.
+signs) against `personaplex-voice serve --engine echo` with every carrier (and Asterisk's
+AudioSocket listener) under uvicorn, the carriers' REST APIs faked by a recording local server
+(support_phone), the post-call webhooks received by a local sink.
 
 Per carrier: a webhook that is unsigned or signed with the wrong secret is refused (403); a
 stream without its ticket gets nothing; three copies of one signed answer webhook hold one
@@ -10,7 +10,9 @@ at the carrier's codec and rate); the carrier never holds more than ~100 ms of o
 barge-in would still let through) and an interruption's `clear` drops at most that, marks
 telling what was heard; a DTMF key fires the configured transfer through the carrier's own REST
 API; the caller hanging up frees the slot; the record and the post-call webhook carry the
-carrier's call id. And wideband: a 16 kHz L16 call keeps what an 8 kHz μ-law call loses.
+carrier's call id. And wideband: a 16 kHz L16 call keeps what an 8 kHz μ-law call loses. And
+`personaplex-voice phone simulate`, as a user runs it, calls the server as each of the eight
+carriers (Asterisk over chan_websocket and over AudioSocket).
 """
 
 from __future__ import annotations
@@ -19,20 +21,22 @@ import asyncio
 import hashlib
 import hmac
 import json
-import time
+import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import aiohttp
-import httpx
 import jwt
 import numpy as np
 import pytest
+import soundfile as sf
 from personaplex_phone.simulator import HttpRequest, PhoneSimulator
 from support_phone import (
-    API_TOKEN,
     CARRIERS,
+    EVERY_CARRIER,
     EXOTEL_KEY,
     PLIVO_ID,
     PUBLIC_URL,
@@ -43,11 +47,16 @@ from support_phone import (
     WEBHOOK_SECRET,
     FakeCarrierApis,
     basic_user,
+    calls_state,
     carrier_env,
     carrier_side,
+    record_of,
+    speechlike,
+    wait_for,
+    wait_idle,
     wrong_side,
 )
-from support_server import ServerProcess, running_server
+from support_server import ServerProcess, free_port, running_server
 from support_twilio import HttpSink
 
 from personaplex_voice.audio.resample import resample
@@ -82,54 +91,23 @@ def sink() -> Iterator[HttpSink]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, apis, sink) -> Iterator[ServerProcess]:
+def audiosocket() -> str:
+    """Where the server's AudioSocket listener (Asterisk's TCP leg) listens."""
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, apis, sink, audiosocket) -> Iterator[ServerProcess]:
     personas = tmp_path_factory.mktemp("phone") / "personas.yaml"
     personas.write_text(PERSONAS.replace("SINK", sink.url + "/calls"))
     env = carrier_env(apis.url, str(personas))
-    with running_server("--carriers", ",".join(CARRIERS), "--max-sessions", "4", env=env) as proc:
+    args = ("--carriers", ",".join(EVERY_CARRIER), "--audiosocket", audiosocket, "--max-sessions", "4")
+    with running_server(*args, env=env) as proc:
         yield proc
 
 
 def simulator(server: ServerProcess, carrier: str, **options) -> PhoneSimulator:
     return PhoneSimulator(carrier_side(carrier, **options), server.url, public_url=PUBLIC_URL)
-
-
-def calls_state(server: ServerProcess) -> dict:
-    response = httpx.get(server.url + "/phone/calls", headers={"Authorization": f"Bearer {API_TOKEN}"})
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def record_of(server: ServerProcess, call_id: str) -> dict:
-    response = httpx.get(
-        f"{server.url}/phone/calls/{call_id}", headers={"Authorization": f"Bearer {API_TOKEN}"}
-    )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
-
-
-async def wait_idle(server: ServerProcess) -> None:
-    def idle() -> bool:
-        state = calls_state(server)
-        return state["active_sessions"] == 0 and state["reserved"] == 0 and not state["live"]
-
-    await wait_for(idle, what="the slots were not freed")
-
-
-def speechlike(seconds: float, rate: int, seed: int = 5) -> np.ndarray:
-    """Band-limited noise with a syllable-rate envelope (broadband: correlation finds its lag)."""
-    rng = np.random.default_rng(seed)
-    n = round(seconds * rate)
-    noise = np.convolve(rng.standard_normal(n), np.hanning(round(rate / 1000) + 5) / 4, "same")
-    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3.0 * np.arange(n) / rate)
-    return (0.3 * noise * envelope).astype(np.float32)
 
 
 def echo_similarity(sent: np.ndarray, heard: np.ndarray, rate: int) -> float:
@@ -377,31 +355,83 @@ async def test_a_wideband_call_keeps_what_narrowband_loses(server) -> None:
 # --- the simulator as a user runs it ------------------------------------------------------------
 
 
-async def test_phone_simulate_calls_the_server_as_the_carrier_would(server, apis, tmp_path) -> None:
-    """`personaplex-voice phone simulate`: a WAV said over Plivo (signed with the server's
-    secrets, from the carrier's usual variables), a key pressed, what was heard saved."""
-    import os
-    import subprocess
-    import sys
+# What the caller's side of each carrier carries, as `phone simulate` prints it.
+AUDIO_IN = {
+    "twilio": "μ-law 8 kHz",
+    "telnyx": "μ-law 8 kHz",
+    "plivo": "L16 16 kHz little-endian",
+    "vonage": "L16 16 kHz little-endian",
+    "exotel": "L16 8 kHz little-endian",
+    "asterisk": "L16 16 kHz little-endian",
+    "jambonz": "L16 24 kHz little-endian",
+    "genesys": "μ-law 8 kHz",
+}
+RATE_OUT = {"twilio": 8000, "exotel": 8000, "genesys": 8000, "jambonz": 24000}  # the others: 16 kHz
+MARKS = {"twilio", "telnyx", "plivo", "vonage", "exotel", "asterisk", "jambonz"}  # Genesys has none
 
-    import soundfile as sf
 
+def phone_simulate(
+    server: ServerProcess, apis: FakeCarrierApis, *options: str
+) -> subprocess.CompletedProcess[str]:
+    """`personaplex-voice phone simulate …` as a user runs it, with the carriers' usual variables."""
+    env = {**os.environ, **carrier_env(apis.url, "")}
+    command = [sys.executable, "-m", "personaplex_voice.cli", "phone", "simulate", "--url", server.url]
+    return subprocess.run(
+        [*command, "--public-url", PUBLIC_URL, *options], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("carrier", EVERY_CARRIER)
+async def test_phone_simulate_calls_the_server_as_the_carrier_would(server, apis, tmp_path, carrier) -> None:
+    """`personaplex-voice phone simulate --carrier …`: a WAV said as the carrier would carry it
+    (signed with the server's secrets, from the carrier's usual variables), a key pressed, what
+    was heard saved."""
     await wait_idle(server)
     wav, heard = tmp_path / "say.wav", tmp_path / "heard.wav"
     sf.write(wav, speechlike(2.0, 16000), 16000)
-    env = {**os.environ, **carrier_env(apis.url, "")}
-    command = [sys.executable, "-m", "personaplex_voice.cli", "phone", "simulate", "--carrier", "plivo"]
-    command += ["--url", server.url, "--public-url", PUBLIC_URL, "--wav", str(wav), "--dtmf", "4@1.0"]
-    command += ["--out", str(heard)]
-    done = await asyncio.to_thread(
-        subprocess.run, command, env=env, capture_output=True, text=True, timeout=60
-    )
+    options = ("--carrier", carrier, "--wav", str(wav), "--dtmf", "4@1.0", "--out", str(heard))
+    done = await asyncio.to_thread(phone_simulate, server, apis, *options)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
-    assert summary["audio_in"] == "L16 16 kHz little-endian" and summary["dtmf"] == "4"
-    assert summary["max_queued_ms"] <= 105 and summary["marks_answered"] >= 20
+    assert summary["carrier"] == carrier and summary["dtmf"] == "4" and summary["ended_by"] == "caller"
+    assert summary["audio_in"] == AUDIO_IN[carrier] and abs(summary["said_s"] - 2.0) < 0.01
+    # Paced as on every line: the carrier holds at most ~100 ms of ours (Genesys: two of its
+    # 100 ms messages), and marks come back as it plays.
+    assert summary["max_queued_ms"] <= (205 if carrier == "genesys" else 105)
+    assert summary["marks_answered"] >= (20 if carrier in MARKS else 0)
     audio, rate = sf.read(heard)
-    assert rate == 16000 and len(audio) / rate >= 2.0
+    assert rate == RATE_OUT.get(carrier, 16000) and len(audio) / rate >= 2.0
     record = await asyncio.to_thread(record_of, server, summary["call_id"])
-    assert record["carrier"] == "plivo" and [e["event"] for e in record["events"]] == ["dtmf:4"]
+    assert record["carrier"] == carrier and [e["event"] for e in record["events"]] == ["dtmf:4"]
     await wait_idle(server)
+
+
+@pytest.mark.parametrize("rate", [8000, 16000])
+async def test_phone_simulate_calls_over_asterisks_audiosocket(
+    server, apis, audiosocket, tmp_path, rate
+) -> None:
+    """`phone simulate --carrier asterisk --audiosocket HOST:PORT --rate …`: the AudioSocket leg
+    (plain TCP) in the kind for its rate, a key pressed, the dialplan's next step printed."""
+    await wait_idle(server)
+    wav, heard = tmp_path / "say.wav", tmp_path / "heard.wav"
+    sf.write(wav, speechlike(2.0, 16000), 16000)
+    options = ("--carrier", "asterisk", "--audiosocket", audiosocket, "--rate", str(rate))
+    options += ("--wav", str(wav), "--dtmf", "4@1.0", "--out", str(heard))
+    done = await asyncio.to_thread(phone_simulate, server, apis, *options)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["carrier"] == "asterisk" and summary["mode"] == "audiosocket"
+    assert summary["kind"] == {8000: "0x10", 16000: "0x12"}[rate] and summary["dtmf"] == "4"
+    assert summary["ended_by"] == "caller" and summary["next_step"]["action"] == "hangup"
+    audio, heard_rate = sf.read(heard)
+    assert heard_rate == rate and len(audio) / rate >= 1.5
+    record = await asyncio.to_thread(record_of, server, summary["call_id"])
+    assert record["carrier"] == "asterisk" and [e["event"] for e in record["events"]] == ["dtmf:4"]
+    await wait_idle(server)
+
+
+def test_phone_simulate_says_which_options_are_asterisks(server, apis, tmp_path) -> None:
+    wav = tmp_path / "say.wav"
+    sf.write(wav, speechlike(0.2, 16000), 16000)
+    done = phone_simulate(server, apis, "--carrier", "plivo", "--wav", str(wav), "--rate", "16000")
+    assert done.returncode != 0 and "--carrier asterisk" in done.stderr

@@ -136,3 +136,28 @@ def test_personas_may_be_pinned_per_carrier_and_number(tmp_path) -> None:
     path.write_text("personas: {default: {}}\ncarriers: {telnyx: {default: ghost}}\n")
     with pytest.raises(UserError, match="ghost"):
         PersonaBook.load(path)
+
+
+# --- carriers stay apart -----------------------------------------------------------------------------
+
+
+def test_no_carrier_imports_another_and_none_imports_torch() -> None:
+    """A carrier knows the phone call (personaplex_phone) and personaplex_voice's plain parts, never
+    another carrier (what they share is written once in personaplex_phone) nor torch."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    from personaplex_phone import CARRIERS
+
+    packages = set(CARRIERS.values())
+    for name, package in CARRIERS.items():
+        folder = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(folder.glob("*.py")):
+            tree = ast.parse(path.read_text())
+            names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+            roots = {n.split(".")[0] for n in names}
+            others = roots & (packages - {package})
+            assert not others, f"{name}: {path.name} imports {others}"
+            assert "torch" not in roots, f"{name}: {path.name} imports torch"

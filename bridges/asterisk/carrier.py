@@ -34,6 +34,7 @@ from personaplex_phone.carrier import (
     Reply,
     Webhook,
 )
+from personaplex_phone.carrier_kit import CarrierDefaults
 from personaplex_phone.link import WebSocketLink
 from personaplex_phone.urls import public_base
 from starlette.requests import HTTPConnection
@@ -74,7 +75,7 @@ def safe_call_id(value: str) -> str:
     return cleaned if len(cleaned) >= 2 else ""
 
 
-class AsteriskCarrier:
+class AsteriskCarrier(CarrierDefaults):
     name = "asterisk"
     paths = CarrierPaths(answer=CALLS_PATH, answer_methods=("POST",), status=None, media=MEDIA_PATH)
     stream_ends_on_close = True  # Asterisk ends a call's leg by closing the socket
@@ -193,9 +194,6 @@ class AsteriskCarrier:
     def answer_refusal(self, message: str, busy: bool) -> Reply:
         body = {"uuid": "", "error": "busy" if busy else "refused", "say": message}
         return Reply(json.dumps(body), JSON_TYPE, status=503 if busy else 403)
-
-    def engine_lost(self, apology: str) -> list[phone.Step]:
-        return [phone.Say(apology), phone.Hangup()]
 
     def new_wire(self) -> MediaWebSocketWire:
         # Unused: each stream's wire is built with its call (routes below); kept for the protocol.

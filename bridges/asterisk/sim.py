@@ -22,6 +22,7 @@ import uuid
 from urllib.parse import parse_qsl
 
 from personaplex_phone.carrier import AudioFormat
+from personaplex_phone.sim_sides import SideDefaults
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 
 from . import media_ws
@@ -29,11 +30,9 @@ from . import media_ws
 _CALLS = itertools.count(1)
 
 
-class AsteriskSide:
+class AsteriskSide(SideDefaults):
     name = "asterisk"
-    chunk_ms = 20
     marks_on_clear = False  # FLUSH_MEDIA drops queued marks: they are never answered
-    ends_by_close = True
 
     def __init__(self, api_key: str, fmt: str = "slin16", control: str = media_ws.PLAIN):
         codec, rate = media_ws.FORMATS[fmt]
@@ -83,18 +82,10 @@ class AsteriskSide:
         )
         return [start]
 
-    def media(self, offer: StreamOffer, stream_id: str, payload: bytes, chunk: int, ms: int) -> bytes:
-        return payload
-
     def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
         return media_ws.event_text("DTMF_END", self.control, digit=digit, channel_id=stream_id)
 
-    def stop(self, offer: StreamOffer, stream_id: str) -> None:
-        return None
-
-    def read(self, message: str | bytes) -> Ours:
-        if isinstance(message, bytes):
-            return Ours("media", message)
+    def read_text(self, message: str) -> Ours:
         name, ident = media_ws.parse_command(message, self.control)
         if name == "MARK_MEDIA":
             return Ours("mark", name=ident)
@@ -106,9 +97,6 @@ class AsteriskSide:
         return media_ws.event_text(
             "MEDIA_MARK_PROCESSED", self.control, channel_id=stream_id, correlation_id=name
         )
-
-    def cleared(self, offer: StreamOffer, stream_id: str) -> None:
-        return None  # chan_websocket does not answer FLUSH_MEDIA
 
     def status_request(self, public_url: str, call_id: str, status: str) -> HttpRequest:
         return HttpRequest("GET", f"/asterisk/calls/{call_id}/next", self._auth())

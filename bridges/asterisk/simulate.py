@@ -1,5 +1,6 @@
 """An Asterisk to call the server with, written from Asterisk's published protocols: for
-`personaplex-voice phone simulate --carrier asterisk`, the tests and `bench/phone_load.py`.
+`personaplex-voice phone simulate --carrier asterisk --audiosocket HOST:PORT` (`simulate_call`),
+`python -m personaplex_asterisk.simulate` (every knob), the tests and `bench/phone_load.py`.
 
 It does what a dialplan and Asterisk do for one call:
 
@@ -39,6 +40,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from personaplex_phone.simulator import say_with_keys
+from personaplex_phone.urls import websocket_base
 
 from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
 from personaplex_voice.audio.telephony import alaw_decode, alaw_encode, l16_decode, l16_encode
@@ -351,10 +354,6 @@ class MediaWebSocketCall(SimCall):
 # --- the dialplan's side --------------------------------------------------------------------------
 
 
-def _ws(url: str) -> str:
-    return "ws" + url[4:] if url.startswith("http") else url
-
-
 class AsteriskSimulator:
     """An Asterisk whose dialplan sends its calls to the server at `base_url`."""
 
@@ -464,7 +463,7 @@ class AsteriskSimulator:
         where = "/asterisk/media/" + ticket if in_path else "/asterisk/media?ticket=" + ticket
         session = await self.session()
         protocols = (media_ws.SUBPROTOCOL,) if subprotocol else ()
-        ws = await session.ws_connect(_ws(self.base_url) + where, protocols=protocols)
+        ws = await session.ws_connect(websocket_base(self.base_url) + where, protocols=protocols)
         call = MediaWebSocketCall(
             rate=rate,
             codec=codec,
@@ -525,16 +524,7 @@ async def simulate_call(
             line = resample(np.asarray(pcm_24k, np.float32), 24000, call.rate)
             waited = await call.answered(timeout=30)
             answered_s = time.monotonic() - started
-            cursor = 0
-            for at, key in sorted(digits or []):
-                upto = min(len(line), round(at * call.rate))
-                if upto > cursor:
-                    await call.play(line[cursor:upto])
-                    cursor = upto
-                await call.dtmf(key)
-            if cursor < len(line):
-                await call.play(line[cursor:])
-            await call.play(np.zeros(call.rate // 2, np.float32))  # the agent's last words
+            await say_with_keys(call, line, call.rate, sorted(digits or []))
             ended_by_server = call.closed.is_set()
         await asyncio.sleep(0.2)  # the server closes its side of the call
         _, step = await sim.next_step(answer["uuid"])
@@ -575,7 +565,10 @@ def main(argv: list[str] | None = None) -> None:
     import os
     from pathlib import Path
 
+    from personaplex_phone.cli import parse_digits
+
     from personaplex_voice.audio.io import read_audio, write_wav
+    from personaplex_voice.errors import UserError
 
     from .config import parse_listen
 
@@ -596,7 +589,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "audiosocket" and not args.audiosocket:
         parser.error("--mode audiosocket needs --audiosocket HOST:PORT")
-    digits = [(float(at or 0), key) for key, _, at in (d.partition("@") for d in args.dtmf)]
+    try:
+        digits = parse_digits(args.dtmf)
+    except UserError as exc:
+        parser.error(str(exc))
     summary, heard, rate = asyncio.run(
         simulate_call(
             args.url,

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from urllib.parse import quote, urlencode
 
 from personaplex_phone import carrier as phone
+from personaplex_phone import wire_json as j
 from personaplex_phone.carrier import CallFacts, CallStatus, CarrierPaths, Reply, Webhook
+from personaplex_phone.carrier_kit import CarrierDefaults
 from personaplex_phone.service import form_fields
 from starlette.requests import HTTPConnection
 
@@ -30,7 +32,7 @@ MAX_PARAMETERS = 3  # Exotel passes at most three custom parameters, 256 charact
 MAX_PARAMETER_CHARS = 256
 
 
-class ExotelCarrier:
+class ExotelCarrier(CarrierDefaults):
     name = "exotel"
     paths = CarrierPaths(
         answer="/exotel/answer",
@@ -46,9 +48,6 @@ class ExotelCarrier:
         self.validate = validate
         self.control = ExotelControl(settings, send)
 
-    def check(self) -> None:
-        self.settings.check(self.validate)
-
     def _authentic(self, headers: Mapping[str, str]) -> bool:
         if self.settings.dev_skip_signature:
             return True
@@ -58,12 +57,7 @@ class ExotelCarrier:
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
         if method == "POST" and body:
             if "json" in content_type:
-                data = json.loads(body)
-                return (
-                    {k: str(v) for k, v in data.items() if isinstance(v, str | int | float)}
-                    if isinstance(data, dict)
-                    else {}
-                )
+                return j.string_map(json.loads(body))
             return {**query, **form_fields(body)}
         return dict(query)
 
@@ -108,9 +102,6 @@ class ExotelCarrier:
         # No stream URL: the Voicebot applet fails and Exotel takes the flow's next applet (put a
         # Greeting there that says you are busy).
         return Reply(json.dumps({"error": message}), JSON, status=503 if busy else 404)
-
-    def engine_lost(self, apology: str) -> list[phone.Step]:
-        return [phone.Say(apology), phone.Hangup()]
 
     def new_wire(self) -> ExotelWire:
         return ExotelWire()

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+from personaplex_phone.config import CarrierSettings, carrier_config
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from personaplex_voice.errors import UserError
 
 
-class ExotelSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_EXOTEL_", extra="ignore", populate_by_name=True)
+class ExotelSettings(CarrierSettings):
+    model_config = carrier_config("PERSONAPLEX_EXOTEL_")
 
     # Exotel authenticates with HTTP Basic, API key and token, both ways: its requests to our
     # endpoints carry them (the Voicebot applet's URL holds `KEY:TOKEN@`), our REST calls use them.
@@ -26,16 +24,11 @@ class ExotelSettings(BaseSettings):
     # The Voicebot stream's rate (`?sample-rate=` on its URL): 8000 (Exotel's default, the phone
     # network's) or 16000.
     sample_rate: Literal[8000, 16000] = 8000
-    dev_skip_signature: bool = False
 
     def check(self, validate: bool) -> None:
-        if (
-            validate
-            and not self.dev_skip_signature
-            and not (self.api_key and self.api_token.get_secret_value())
-        ):
-            raise UserError(
-                "the Exotel carrier needs EXOTEL_API_KEY and EXOTEL_API_TOKEN: Exotel's requests to us "
-                "carry them as HTTP Basic credentials (for local development only: "
-                "PERSONAPLEX_EXOTEL_DEV_SKIP_SIGNATURE=1)"
-            )
+        self.require_secret(
+            validate,
+            bool(self.api_key and self.api_token.get_secret_value()),
+            "the Exotel carrier needs EXOTEL_API_KEY and EXOTEL_API_TOKEN: Exotel's requests to us "
+            "carry them as HTTP Basic credentials",
+        )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from personaplex_phone import carrier as phone
 from personaplex_phone.carrier import CallHandle, Outcome, RestRequest, SendRequest
+from personaplex_phone.xml_markup import xml_document
 
 from . import signatures
 from .config import ExotelSettings
@@ -41,7 +42,7 @@ def exoml(steps: Sequence[phone.Step]) -> str | None:
             ET.SubElement(flow, "Hangup")
         else:
             return None
-    return '<?xml version="1.0" encoding="UTF-8"?>' + ET.tostring(flow, encoding="unicode")
+    return xml_document(flow)
 
 
 class ExotelControl:
@@ -60,10 +61,8 @@ class ExotelControl:
         s = self.settings
         url = f"{s.api_url.rstrip('/')}/v2/accounts/{s.account_sid}/legs/{call.call_id}/{action}"
         auth = signatures.basic(s.api_key, s.api_token.get_secret_value())
-        answer = await self._send(RestRequest("POST", url, headers={"Authorization": auth}, json=body))
-        return (
-            Outcome(True) if answer.ok else Outcome(False, f"Exotel answered {answer.status or answer.error}")
-        )
+        request = RestRequest("POST", url, headers={"Authorization": auth}, json=body)
+        return (await self._send(request)).outcome("Exotel")
 
     async def hang_up(self, call: CallHandle) -> Outcome:
         return await self._post(call, "actions/hangup", {})

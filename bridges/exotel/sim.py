@@ -8,28 +8,29 @@ base64 media in chunks of about 100 ms, marks echoed after playback.
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import secrets
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from personaplex_phone.carrier import AudioFormat
-from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
+from personaplex_phone.sim_sides import JsonMediaSide, form_post, secret, with_query
+from personaplex_phone.simulator import HttpRequest, StreamOffer
 
 from .signatures import basic
 
 
-class ExotelSide:
+class ExotelSide(JsonMediaSide):
     name = "exotel"
     chunk_ms = 100  # Exotel sends the caller's audio about every 100 ms
-    marks_on_clear = True
-    ends_by_close = False
+    stream_key = "stream_sid"
+    seq_key = "sequence_number"
+    media_track = None
 
     def __init__(self, api_key: str, api_token: str, account_sid: str = "exotel-test"):
+        super().__init__()
         self.auth = basic(api_key, api_token)
         self.account_sid = account_sid
-        self._seq = 0
 
     @staticmethod
     def new_call_id() -> str:
@@ -39,7 +40,7 @@ class ExotelSide:
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
     ) -> HttpRequest:
         values = {"CallSid": call_id, "CallFrom": from_, "CallTo": to, "Direction": "incoming"}
-        path = "/exotel/answer?" + urlencode(values) + (f"&{query}" if query else "")
+        path = with_query("/exotel/answer?" + urlencode(values), query, "&")
         return HttpRequest("GET", path, {"Authorization": self.auth})
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
@@ -57,12 +58,8 @@ class ExotelSide:
         netloc = parts.netloc.rpartition("@")[2]  # the credentials travel as Basic auth
         return urlunsplit((parts.scheme, netloc, parts.path, parts.query, "")), {"Authorization": self.auth}
 
-    def _next(self) -> str:
-        self._seq += 1
-        return str(self._seq)
-
-    def opening(self, offer: StreamOffer, stream_id: str) -> list[str | bytes]:
-        start = {
+    def start_section(self, offer: StreamOffer, stream_id: str) -> dict[str, Any]:
+        return {
             "stream_sid": stream_id,
             "call_sid": offer.call_id,
             "account_sid": self.account_sid,
@@ -75,66 +72,18 @@ class ExotelSide:
                 "bit_rate": "16",
             },
         }
-        return [
-            json.dumps({"event": "connected"}),
-            json.dumps(
-                {"event": "start", "sequence_number": self._next(), "stream_sid": stream_id, "start": start}
-            ),
-        ]
 
-    def media(self, offer: StreamOffer, stream_id: str, payload: bytes, chunk: int, ms: int) -> str:
-        media = {"chunk": str(chunk), "timestamp": str(ms), "payload": base64.b64encode(payload).decode()}
-        return json.dumps(
-            {"event": "media", "sequence_number": self._next(), "stream_sid": stream_id, "media": media}
-        )
+    def dtmf_section(self, digit: str) -> dict[str, Any]:
+        return {"digit": digit, "duration": "100"}
 
-    def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
-        dtmf = {"digit": digit, "duration": "100"}
-        return json.dumps(
-            {"event": "dtmf", "sequence_number": self._next(), "stream_sid": stream_id, "dtmf": dtmf}
-        )
-
-    def stop(self, offer: StreamOffer, stream_id: str) -> str:
-        stop = {"call_sid": offer.call_id, "account_sid": self.account_sid, "reason": "callended"}
-        return json.dumps(
-            {"event": "stop", "sequence_number": self._next(), "stream_sid": stream_id, "stop": stop}
-        )
-
-    def read(self, message: str | bytes) -> Ours:
-        data = json.loads(message)
-        event = data.get("event")
-        if event == "media":
-            return Ours("media", base64.b64decode(data["media"]["payload"]))
-        if event == "mark":
-            return Ours("mark", name=data["mark"]["name"])
-        if event == "clear":
-            return Ours("clear")
-        return Ours("other", name=str(event))
-
-    def mark_played(self, offer: StreamOffer, stream_id: str, name: str) -> str:
-        return json.dumps(
-            {
-                "event": "mark",
-                "sequence_number": self._next(),
-                "stream_sid": stream_id,
-                "mark": {"name": name},
-            }
-        )
-
-    def cleared(self, offer: StreamOffer, stream_id: str) -> None:
-        return None
+    def stop_section(self, offer: StreamOffer) -> dict[str, Any]:
+        return {"call_sid": offer.call_id, "account_sid": self.account_sid, "reason": "callended"}
 
     def status_request(self, public_url: str, call_id: str, status: str) -> HttpRequest:
-        body = urlencode({"CallSid": call_id, "Status": status}).encode()
-        headers = {"Authorization": self.auth, "Content-Type": "application/x-www-form-urlencoded"}
-        return HttpRequest("POST", "/exotel/status", headers, body)
+        form = {"CallSid": call_id, "Status": status}
+        return form_post("/exotel/status", form, {"Authorization": self.auth})
 
 
 def side(api_key: str | None = None, api_token: str | None = None) -> ExotelSide:
-    key = api_key or os.environ.get("EXOTEL_API_KEY", "")
-    token = api_token or os.environ.get("EXOTEL_API_TOKEN", "")
-    if not key or not token:
-        raise ValueError(
-            "the Exotel simulator authenticates like Exotel: set EXOTEL_API_KEY and EXOTEL_API_TOKEN"
-        )
-    return ExotelSide(key, token)
+    why = "the Exotel simulator authenticates like Exotel: set EXOTEL_API_KEY and EXOTEL_API_TOKEN"
+    return ExotelSide(secret(api_key, "EXOTEL_API_KEY", why), secret(api_token, "EXOTEL_API_TOKEN", why))

@@ -14,7 +14,6 @@ default; 16000 with `?sample-rate=16000` on the stream URL), both ways.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Any
 
 from personaplex_phone import wire_json as j
@@ -22,12 +21,8 @@ from personaplex_phone.carrier import (
     CLOSE_INVALID_DATA,
     AudioFormat,
     CallerMedia,
-    Digit,
-    MarkPlayed,
     ProtocolError,
-    StreamEvent,
     StreamStart,
-    StreamStop,
 )
 
 _RAW = {"audio/x-raw", "raw", "slin", "pcm", "audio/x-l16", "audio/l16", "linear16"}
@@ -41,41 +36,17 @@ def audio_format(encoding: str, rate: int | None) -> AudioFormat:
     return AudioFormat("l16", rate, big_endian=False)
 
 
-class ExotelWire:
+class ExotelWire(j.JsonStreamWire):
+    stream_key = "stream_sid"
+
     def __init__(self) -> None:
-        self.stream_sid = ""
+        super().__init__()
         self._sid = ""
 
-    def parse(self, raw: Mapping[str, Any]) -> StreamEvent | None:
-        message = j.json_message(raw)
-        event = message["event"]
-        if event == "connected":
-            return None
-        if event == "start":
-            return self._start(message)
-        if not self.stream_sid:
-            raise ProtocolError(f"`{event}` before `start`")
-        stream_sid = message.get("stream_sid")
-        if stream_sid is not None and stream_sid != self.stream_sid:
-            raise ProtocolError(f"`{event}` for another stream ({stream_sid!r})")
-        if event == "media":
-            media = j.section(message, "media")
-            payload = j.b64_payload(media)
-            if len(payload) % 2:
-                raise ProtocolError("PCM audio must hold whole 2-byte samples", CLOSE_INVALID_DATA)
-            return CallerMedia(payload, j.number(media.get("chunk")))
-        if event == "mark":
-            name = j.section(message, "mark").get("name")
-            return MarkPlayed(name) if isinstance(name, str) else None
-        if event == "dtmf":
-            return Digit(j.digit(j.section(message, "dtmf").get("digit")))
-        if event == "stop":
-            return StreamStop()
-        return None
+    def caller_media(self, media: dict[str, Any]) -> CallerMedia:
+        return CallerMedia(j.whole_samples(j.b64_payload(media), "PCM audio"), j.number(media.get("chunk")))
 
-    def _start(self, message: dict[str, Any]) -> StreamStart:
-        if self.stream_sid:
-            raise ProtocolError("a second `start` on one stream")
+    def start(self, message: dict[str, Any]) -> StreamStart:
         start = j.section(message, "start")
         stream_sid = message.get("stream_sid") or start.get("stream_sid")
         call_sid = start.get("call_sid")
@@ -87,7 +58,7 @@ class ExotelWire:
         fmt = audio_format(
             str(media_format.get("encoding", "audio/x-raw")), j.number(media_format.get("sample_rate", 8000))
         )
-        self.stream_sid = stream_sid
+        self.stream_id = stream_sid
         self._sid = json.dumps(stream_sid)
         params = j.string_map(start.get("custom_parameters"))
         return StreamStart(
@@ -98,7 +69,7 @@ class ExotelWire:
         return '{"event":"media","stream_sid":' + self._sid + ',"media":{"payload":"' + j.b64(payload) + '"}}'
 
     def mark(self, name: str) -> str:
-        return j.dumps({"event": "mark", "stream_sid": self.stream_sid, "mark": {"name": name}})
+        return j.dumps({"event": "mark", "stream_sid": self.stream_id, "mark": {"name": name}})
 
     def clear(self) -> str:
         return '{"event":"clear","stream_sid":' + self._sid + "}"

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from personaplex_phone import carrier as phone
 from personaplex_phone.carrier import CallFacts, CallStatus, CarrierPaths, Reply, Webhook
+from personaplex_phone.carrier_kit import CarrierDefaults
 from personaplex_phone.config import PhoneSettings
 from personaplex_phone.urls import public_url_of
 from starlette.requests import HTTPConnection
@@ -46,7 +47,7 @@ def authority(url: str) -> str:
     return host
 
 
-class GenesysCarrier:
+class GenesysCarrier(CarrierDefaults):
     name = "genesys"
     paths = CarrierPaths(answer="", answer_methods=(), status=None, media=MEDIA_PATH)
     stream_ends_on_close = False  # Genesys says `close` first; a bare close is a lost socket
@@ -62,7 +63,7 @@ class GenesysCarrier:
         self.verifier: httpsig.SignatureVerifier | None = None
 
     def check(self) -> None:
-        self.settings.check(self.validate)
+        super().check()
         if self.settings.client_secret.get_secret_value():
             self.verifier = httpsig.SignatureVerifier(
                 self.settings.secret_key(), self.settings.max_signature_age_s
@@ -113,9 +114,6 @@ class GenesysCarrier:
 
     def status(self, webhook: Webhook) -> CallStatus | None:
         return None
-
-    def stream_url(self, ws_base: str, ticket: str) -> str:
-        return f"{ws_base}/{ticket}"
 
     def answer_stream(self, stream_url: str, params: Mapping[str, str], facts: CallFacts) -> Reply:
         return Reply("", "text/plain")  # the session's `opened` is the answer (the wire's accept)

@@ -6,16 +6,14 @@ from __future__ import annotations
 import base64
 import binascii
 
+from personaplex_phone.config import CarrierSettings, carrier_config
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from personaplex_voice.errors import UserError
 
 
-class GenesysSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="PERSONAPLEX_GENESYS_", extra="ignore", populate_by_name=True
-    )
+class GenesysSettings(CarrierSettings):
+    model_config = carrier_config("PERSONAPLEX_GENESYS_")
 
     # The integration's API key: every connection carries it as `X-API-KEY`.
     api_key: SecretStr = Field(SecretStr(""), validation_alias=AliasChoices("GENESYS_API_KEY", "api_key"))
@@ -30,7 +28,6 @@ class GenesysSettings(BaseSettings):
     # messages a second a connector may send (an `error` 429 says so), so not 20 ms ones. The
     # price: up to two messages are queued at Genesys (the pacer keeps the next one coming).
     message_ms: int = Field(100, ge=20, le=400, multiple_of=20)
-    dev_skip_signature: bool = False
 
     def secret_key(self) -> bytes:
         """The HMAC key: the client secret, base64-decoded."""
@@ -43,11 +40,11 @@ class GenesysSettings(BaseSettings):
             ) from None
 
     def check(self, validate: bool) -> None:
-        if validate and not self.dev_skip_signature and not self.api_key.get_secret_value():
-            raise UserError(
-                "the Genesys carrier needs GENESYS_API_KEY (the Audio Connector integration's API key) "
-                "to check every connection (for local development only: "
-                "PERSONAPLEX_GENESYS_DEV_SKIP_SIGNATURE=1)"
-            )
+        self.require_secret(
+            validate,
+            bool(self.api_key.get_secret_value()),
+            "the Genesys carrier needs GENESYS_API_KEY (the Audio Connector integration's API key) "
+            "to check every connection",
+        )
         if self.client_secret.get_secret_value():
             self.secret_key()

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from personaplex_phone.carrier import AudioFormat
+from personaplex_phone.sim_sides import SideDefaults, secret
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 from personaplex_phone.urls import websocket_base
 
@@ -43,10 +44,8 @@ class _Session:
     t0: float = field(default_factory=time.monotonic)
 
 
-class GenesysSide:
+class GenesysSide(SideDefaults):
     name = "genesys"
-    chunk_ms = 20
-    marks_on_clear = False
     ends_by_close = False  # Genesys says `close`, and waits for our `closed`
 
     def __init__(self, api_key: str, client_secret: str = "", connector_id: str = "personaplex"):
@@ -54,10 +53,6 @@ class GenesysSide:
         self.key = base64.b64decode(client_secret) if client_secret else b""
         self.connector_id = connector_id
         self._sessions: dict[str, _Session] = {}
-
-    @staticmethod
-    def new_call_id() -> str:
-        return str(uuid.uuid4())
 
     # --- the connection --------------------------------------------------------------------------
     def offer(
@@ -135,9 +130,6 @@ class GenesysSide:
         }
         return [self._message(offer, "open", parameters)]
 
-    def media(self, offer: StreamOffer, stream_id: str, payload: bytes, chunk: int, ms: int) -> bytes:
-        return payload
-
     def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
         return self._message(offer, "dtmf", {"digit": digit})
 
@@ -150,9 +142,7 @@ class GenesysSide:
     def stop(self, offer: StreamOffer, stream_id: str) -> str:
         return self._message(offer, "close", {"reason": "end"})
 
-    def read(self, message: str | bytes) -> Ours:
-        if isinstance(message, bytes):
-            return Ours("media", message)
+    def read_text(self, message: str) -> Ours:
         data = json.loads(message)
         session = self._sessions.setdefault(str(data.get("id")), _Session())
         session.serverseq = max(session.serverseq, int(data.get("seq", 0)))
@@ -171,17 +161,13 @@ class GenesysSide:
     def mark_played(self, offer: StreamOffer, stream_id: str, name: str) -> str:
         raise ValueError("the AudioHook protocol has no marks")
 
-    def cleared(self, offer: StreamOffer, stream_id: str) -> None:
-        return None
-
     def status_request(self, public_url: str, call_id: str, status: str) -> HttpRequest:
         raise ValueError("Genesys sends no status webhook: the session's `close` ends it")
 
 
 def side(api_key: str | None = None, client_secret: str | None = None) -> GenesysSide:
-    key = api_key or os.environ.get("GENESYS_API_KEY", "")
-    if not key:
-        raise ValueError("the Genesys simulator connects like Genesys: set GENESYS_API_KEY (the server's)")
+    why = "the Genesys simulator connects like Genesys: set GENESYS_API_KEY (the server's)"
+    key = secret(api_key, "GENESYS_API_KEY", why)
     if client_secret is None:
         client_secret = os.environ.get("GENESYS_CLIENT_SECRET", "")
     return GenesysSide(key, client_secret)

@@ -28,12 +28,9 @@ __all__ = ["JambonzSettings", "make_carrier"]
 
 def make_carrier(service: Any, settings: JambonzSettings | None = None) -> JambonzCarrier:
     """The jambonz carrier for `service` (a personaplex_phone PhoneService)."""
+    from personaplex_phone.carrier_kit import with_publisher
+
     from .carrier import JambonzCarrier
 
-    carrier: JambonzCarrier
-
-    def publish(reply: Any, base: str) -> str:
-        return service.publish(carrier, reply, base)
-
-    carrier = JambonzCarrier(settings or JambonzSettings(), publish, service.settings.validate_signatures)
-    return carrier
+    chosen, validate = settings or JambonzSettings(), service.settings.validate_signatures
+    return with_publisher(service, lambda publish: JambonzCarrier(chosen, publish, validate))

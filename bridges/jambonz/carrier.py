@@ -18,15 +18,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from personaplex_phone import carrier as phone
 from personaplex_phone.carrier import CallFacts, CallStatus, CarrierPaths, Reply, Webhook
-from starlette.requests import HTTPConnection
+from personaplex_phone.carrier_kit import CarrierDefaults, FactFields, json_fields
 
 from . import signatures, verbs
 from .config import JambonzSettings
-from .control import JambonzControl, Publish
+from .control import JambonzControl
 from .wire import SUBPROTOCOL, JambonzWire
 
 log = logging.getLogger(__name__)
 
+FIELDS = FactFields("call_sid", "from", "to", "direction", "account_sid")
 TERMINAL_STATUSES = {"completed", "failed", "busy", "no-answer"}
 
 
@@ -39,7 +40,7 @@ def http_base(stream_url: str) -> str:
     return base
 
 
-class JambonzCarrier:
+class JambonzCarrier(CarrierDefaults):
     name = "jambonz"
     paths = CarrierPaths(
         answer="/jambonz/call", answer_methods=("POST",), status="/jambonz/status", media=verbs.MEDIA_PATH
@@ -47,24 +48,16 @@ class JambonzCarrier:
     stream_ends_on_close = True  # jambonz ends the listen (the caller hung up) by closing it
     subprotocol = SUBPROTOCOL
 
-    def __init__(self, settings: JambonzSettings, publish: Publish, validate: bool):
+    def __init__(self, settings: JambonzSettings, publish: phone.Publish, validate: bool):
         self.settings = settings
         self.validate = validate
         self.control = JambonzControl(publish, settings.sample_rate)
-
-    def check(self) -> None:
-        self.settings.check(self.validate)
 
     # --- webhooks ------------------------------------------------------------------------------
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
         if not body:
             return dict(query)
-        data = json.loads(body)  # ValueError: not jambonz's (refused)
-        if not isinstance(data, dict):
-            raise ValueError("a jambonz webhook body is a JSON object")
-        return {
-            k: str(v) for k, v in data.items() if isinstance(v, str | int | float) and not isinstance(v, bool)
-        }
+        return json_fields(body, "jambonz")  # ValueError: not jambonz's (refused)
 
     def verify(self, webhook: Webhook) -> bool:
         if self.settings.dev_skip_signature:
@@ -72,18 +65,8 @@ class JambonzCarrier:
         secret = self.settings.webhook_secret.get_secret_value()
         return signatures.verify(secret, webhook.headers, webhook.body, self.settings.max_signature_age_s)
 
-    def verify_upgrade(self, conn: HTTPConnection) -> bool:
-        return True  # unsigned by jambonz: the ticket in the URL is what the stream must present
-
     def facts(self, webhook: Webhook) -> CallFacts:
-        values = webhook.fields
-        return CallFacts(
-            call_id=values.get("call_sid", ""),
-            from_=values.get("from", ""),
-            to=values.get("to", ""),
-            direction=values.get("direction", "inbound"),
-            account=values.get("account_sid", ""),
-        )
+        return FIELDS.facts(webhook.fields)
 
     def status(self, webhook: Webhook) -> CallStatus | None:
         values = webhook.fields
@@ -97,9 +80,6 @@ class JambonzCarrier:
         return CallStatus(call_id, status, terminal, None, values.get("duration", ""))
 
     # --- markup --------------------------------------------------------------------------------
-    def stream_url(self, ws_base: str, ticket: str) -> str:
-        return f"{ws_base}/{ticket}"
-
     def answer_stream(self, stream_url: str, params: Mapping[str, str], facts: CallFacts) -> Reply:
         action_url = http_base(stream_url) + verbs.ACTION_PATH
         verb = verbs.listen(stream_url, self.settings.sample_rate, params, action_url)
@@ -107,9 +87,6 @@ class JambonzCarrier:
 
     def answer_refusal(self, message: str, busy: bool) -> Reply:
         return Reply(json.dumps(verbs.say_and_hang_up(message)), verbs.JSON)
-
-    def engine_lost(self, apology: str) -> list[phone.Step]:
-        return [phone.Say(apology), phone.Hangup()]
 
     def new_wire(self) -> JambonzWire:
         return JambonzWire()

@@ -14,16 +14,15 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from personaplex_phone import carrier as phone
-from personaplex_phone.carrier import CallHandle, Outcome, Reply
+from personaplex_phone.carrier import CallHandle, Outcome, Publish, Reply
 from personaplex_phone.urls import websocket_base
 
 from . import verbs
 
-Publish = Callable[[Reply, str], str]
 HANG_UP: list[dict[str, Any]] = [{"verb": "hangup"}]
 
 

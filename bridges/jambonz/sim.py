@@ -13,11 +13,10 @@ caller hangs up by closing the socket; when the listen has ended, jambonz POSTs 
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from typing import Any
 
 from personaplex_phone.carrier import AudioFormat
+from personaplex_phone.sim_sides import SideDefaults, secret, with_query
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 
 from . import signatures
@@ -27,20 +26,14 @@ ACCOUNT_SID = "9d9f5f77-0000-4000-8000-0000000000a1"
 APPLICATION_SID = "9d9f5f77-0000-4000-8000-0000000000b2"
 
 
-class JambonzSide:
+class JambonzSide(SideDefaults):
     name = "jambonz"
-    chunk_ms = 20
     marks_on_clear = False  # jambonz reports a killed mark as `"event": "cleared"`, never played
-    ends_by_close = True
     subprotocols = (SUBPROTOCOL,)
 
     def __init__(self, webhook_secret: str):
         self.secret = webhook_secret
         self._calls: dict[str, dict[str, str]] = {}  # call id -> its numbers, for the first frame
-
-    @staticmethod
-    def new_call_id() -> str:
-        return str(uuid.uuid4())
 
     def _signed(self, path: str, payload: dict[str, Any]) -> HttpRequest:
         body = json.dumps(payload).encode()
@@ -69,7 +62,7 @@ class JambonzSide:
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
     ) -> HttpRequest:
         self._calls[call_id] = {"from": from_, "to": to}
-        return self._signed("/jambonz/call" + (f"?{query}" if query else ""), self._call(call_id, "trying"))
+        return self._signed(with_query("/jambonz/call", query), self._call(call_id, "trying"))
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
         if status != 200:
@@ -83,9 +76,6 @@ class JambonzSide:
         fmt = AudioFormat("l16", int(listen["sampleRate"]), big_endian=False)
         params = {k: str(v) for k, v in (listen.get("metadata") or {}).get(METADATA_KEY, {}).items()}
         return StreamOffer(call_id, listen["url"], params, fmt, fmt)
-
-    def upgrade(self, offer: StreamOffer, public_url: str) -> tuple[str, dict[str, str]]:
-        return offer.url, {}
 
     def opening(self, offer: StreamOffer, stream_id: str) -> list[str | bytes]:
         numbers = self._calls.get(offer.call_id, {"from": "", "to": ""})
@@ -105,18 +95,10 @@ class JambonzSide:
         }
         return [json.dumps(facts)]
 
-    def media(self, offer: StreamOffer, stream_id: str, payload: bytes, chunk: int, ms: int) -> bytes:
-        return payload
-
     def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
         return json.dumps({"event": "dtmf", "dtmf": digit, "duration": 1280})
 
-    def stop(self, offer: StreamOffer, stream_id: str) -> None:
-        return None
-
-    def read(self, message: str | bytes) -> Ours:
-        if isinstance(message, bytes):
-            return Ours("media", message)
+    def read_text(self, message: str) -> Ours:
         data = json.loads(message)
         kind = data.get("type")
         if kind == "mark":
@@ -127,9 +109,6 @@ class JambonzSide:
 
     def mark_played(self, offer: StreamOffer, stream_id: str, name: str) -> str:
         return json.dumps({"type": "mark", "data": {"name": name, "event": "playout"}})
-
-    def cleared(self, offer: StreamOffer, stream_id: str) -> None:
-        return None
 
     def status_request(self, public_url: str, call_id: str, status: str) -> HttpRequest:
         return self._signed("/jambonz/status", self._call(call_id, status))
@@ -142,9 +121,5 @@ class JambonzSide:
 
 
 def side(webhook_secret: str | None = None) -> JambonzSide:
-    secret = webhook_secret or os.environ.get("JAMBONZ_WEBHOOK_SECRET", "")
-    if not secret:
-        raise ValueError(
-            "the jambonz simulator signs like jambonz: set JAMBONZ_WEBHOOK_SECRET (the server's)"
-        )
-    return JambonzSide(secret)
+    why = "the jambonz simulator signs like jambonz: set JAMBONZ_WEBHOOK_SECRET (the server's)"
+    return JambonzSide(secret(webhook_secret, "JAMBONZ_WEBHOOK_SECRET", why))

@@ -27,7 +27,6 @@ from personaplex_phone import wire_json as j
 from personaplex_phone.carrier import (
     CLOSE_INVALID_DATA,
     AudioFormat,
-    CallerMedia,
     CallFacts,
     Digit,
     MarkPlayed,
@@ -52,13 +51,9 @@ class JambonzWire:
         self.format = l16(8000)
 
     def parse(self, raw: Mapping[str, Any]) -> StreamEvent | None:
-        data = raw.get("bytes")
-        if raw.get("text") is None and data is not None:
-            if not self.started:
-                raise ProtocolError("audio before jambonz's first (call facts) frame")
-            if len(data) % 2:
-                raise ProtocolError("L16 audio must hold whole 2-byte samples", CLOSE_INVALID_DATA)
-            return CallerMedia(bytes(data))
+        media = j.binary_l16(raw, self.started, "audio before jambonz's first (call facts) frame")
+        if media is not None:
+            return media
         text = raw.get("text")
         if text is None:
             return None

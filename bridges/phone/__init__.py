@@ -16,7 +16,8 @@ stream.py (a stream's life cycle), caller_audio.py and playout.py (audio in, aud
 playback_buffer.py; formats in audio_path.py), phone_call.py (a call across its streams),
 journal.py (the one writer of a call's record), personas.py + context.py + actions.py (who
 answers, knowing what, doing what), records.py, recording.py, webhooks.py, calls_api.py (what we
-show). See docs/phone.md. The phone call knows the session API and `personaplex_voice.audio`,
+show); what carriers share of their own parts: carrier_kit.py, wire_json.py, xml_markup.py,
+sim_sides.py. See docs/phone.md. The phone call knows the session API and `personaplex_voice.audio`,
 never torch; a carrier knows this package, never another carrier.
 """
 

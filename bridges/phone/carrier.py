@@ -359,7 +359,9 @@ class CarrierPaths:
     status_methods: tuple[str, ...] = ("POST",)
 
 
-PublishDocument = Callable[[Reply], str]  # a one-time document of ours -> the URL it is served at
+# A document of ours and the public base -> the URL the carrier fetches it at (service.publish,
+# bound to the carrier: carrier_kit.with_publisher).
+Publish = Callable[[Reply, str], str]
 SendRequest = Callable[["RestRequest"], Awaitable["RestAnswer"]]
 
 
@@ -384,6 +386,10 @@ class RestAnswer:
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+    def outcome(self, api: str) -> Outcome:
+        """What the request came to, for a call's record; `api` names who answered ("Plivo")."""
+        return Outcome(True) if self.ok else Outcome(False, f"{api} answered {self.status or self.error}")
 
 
 class Carrier(Protocol):

@@ -1,6 +1,7 @@
 """`personaplex-voice phone …`: try a phone setup before owning a number.
 
     personaplex-voice phone simulate --carrier plivo --url http://127.0.0.1:8998 --wav hello.wav
+    personaplex-voice phone simulate --carrier asterisk --audiosocket 127.0.0.1:9092 --rate 16000 …
     personaplex-voice phone keypair          # an Ed25519 pair: the simulator signs as Telnyx
 
 `simulate` is a caller on the carrier's side: the answer webhook signed as that carrier signs
@@ -8,7 +9,8 @@
 the carrier opens it, the WAV said at real time in the carrier's codec, DTMF keys when asked, the
 agent's audio played by a model of the carrier's buffer (marks and clears answered as the
 carrier answers them), then the caller hangs up. It prints what happened as JSON and can save
-what the caller heard.
+what the caller heard. Asterisk's AudioSocket leg is plain TCP: `--audiosocket HOST:PORT` runs
+the carrier's own simulator (personaplex_asterisk.simulate) for it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from personaplex_voice.errors import UserError
 app = typer.Typer(help="Phone lines: simulate a carrier's call against a server.", no_args_is_help=True)
 
 
-def _digits(specs: list[str]) -> list[tuple[float, str]]:
-    """`0@2.5` (key 0, 2.5 s into the WAV) -> (2.5, "0")."""
+def parse_digits(specs: list[str]) -> list[tuple[float, str]]:
+    """`0@2.5` (key 0, 2.5 s into the WAV) -> (2.5, "0"), sorted by time."""
     keys = []
     for spec in specs:
         key, _, at = spec.partition("@")
@@ -53,7 +55,7 @@ async def _simulate(
     from_: str,
     side_options: dict[str, Any],
 ) -> tuple[dict[str, Any], np.ndarray, int]:
-    from .simulator import PhoneSimulator, load_side
+    from .simulator import PhoneSimulator, load_side, say_with_keys
 
     try:
         side = load_side(carrier, **side_options)
@@ -71,16 +73,7 @@ async def _simulate(
     async with sim.stream(offer) as call:
         waited = await call.answered(timeout=30)
         answered_s = time.monotonic() - started
-        cursor = 0
-        for at, key in digits:
-            upto = min(len(line), round(at * offer.inbound.rate))
-            if upto > cursor:
-                await call.play(line[cursor:upto])
-                cursor = upto
-            await call.dtmf(key)
-        if cursor < len(line):
-            await call.play(line[cursor:])
-        await call.play(np.zeros(offer.inbound.rate // 2, np.float32))  # the agent's last words
+        await say_with_keys(call, line, offer.inbound.rate, digits)
         ended_by_server = call.closed.is_set()
     heard = call.heard()
     summary = {
@@ -106,6 +99,48 @@ async def _simulate(
     return summary, heard, offer.outbound.rate
 
 
+async def _simulate_audiosocket(
+    url: str,
+    listener: str,
+    rate: int,
+    pcm_24k: np.ndarray,
+    digits: list[tuple[float, str]],
+    to: str,
+    from_: str,
+) -> tuple[dict[str, Any], np.ndarray, int]:
+    """Asterisk's AudioSocket leg (plain TCP, not a stream the phone simulator opens): the
+    carrier's own simulator, with the API key its chan_websocket side reads."""
+    try:
+        from personaplex_asterisk.config import parse_listen
+        from personaplex_asterisk.sim import side
+        from personaplex_asterisk.simulate import simulate_call
+    except ImportError as exc:
+        raise UserError(f"the Asterisk carrier is not installed ({exc})") from None
+    try:
+        api_key = side().api_key
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        return await simulate_call(
+            url,
+            api_key,
+            pcm_24k,
+            mode="audiosocket",
+            audiosocket=parse_listen(listener),
+            rate=rate,
+            digits=digits,
+            to=to,
+            from_=from_,
+        )
+    except RuntimeError as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot reach {url} or the AudioSocket listener {listener}: {exc}") from None
+
+
+ASTERISK_FORMATS = {8000: "slin", 16000: "slin16", 24000: "slin24"}  # chan_websocket's, by rate
+
+
 @app.command()
 def simulate(
     carrier: Annotated[
@@ -126,19 +161,38 @@ def simulate(
     wideband: Annotated[
         bool, typer.Option(help="Telnyx: the caller's leg is wideband (L16 16 kHz), not PCMU 8 kHz")
     ] = False,
+    audiosocket: Annotated[
+        str | None,
+        typer.Option(
+            help="Asterisk: call over AudioSocket, to the server's listener HOST:PORT (else chan_websocket)"
+        ),
+    ] = None,
+    rate: Annotated[
+        int | None, typer.Option(help="Asterisk: the leg's rate, 8000, 16000 (the default) or 24000")
+    ] = None,
 ) -> None:
     """Call the server as CARRIER would, saying WAV; prints what happened (JSON)."""
     from . import parse_carriers
 
     (name,) = parse_carriers(carrier) or [""]
-    digits = _digits(dtmf or [])
+    if name != "asterisk" and (audiosocket or rate):
+        raise UserError("--audiosocket and --rate are Asterisk's: use them with --carrier asterisk")
+    if rate is not None and rate not in ASTERISK_FORMATS:
+        raise UserError(f"--rate {rate}: Asterisk's legs here are 8000, 16000 or 24000 Hz")
+    digits = parse_digits(dtmf or [])
     pcm = read_audio(wav)
     options: dict[str, Any] = {}
     if name == "telnyx" and wideband:
         options = {"inbound_codec": "L16", "inbound_rate": 16000}
-    summary, heard, rate = asyncio.run(_simulate(name, url, public_url, pcm, digits, to, from_, options))
+    if name == "asterisk":
+        options = {"fmt": ASTERISK_FORMATS[rate or 16000]}
+    if audiosocket:
+        call = _simulate_audiosocket(url, audiosocket, rate or 16000, pcm, digits, to, from_)
+    else:
+        call = _simulate(name, url, public_url, pcm, digits, to, from_, options)
+    summary, heard, heard_rate = asyncio.run(call)
     if out is not None:
-        write_wav(out, heard, rate, subtype="PCM_16")
+        write_wav(out, heard, heard_rate, subtype="PCM_16")
         summary["heard_wav"] = str(out)
     typer.echo(json.dumps(summary, indent=2))
 

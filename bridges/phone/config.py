@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
+from personaplex_voice.errors import UserError
+
 PHONE_PREFIX = "PERSONAPLEX_PHONE_"
 LEGACY_PREFIX = "PERSONAPLEX_TWILIO_"
 
@@ -121,3 +123,23 @@ class PhoneSettings(BaseSettings):
     @property
     def validate_signatures(self) -> bool:
         return not self.dev_skip_signature
+
+
+def carrier_config(prefix: str) -> SettingsConfigDict:
+    """A carrier settings class's config: its own `PERSONAPLEX_<NAME>_` prefix; the carrier's
+    own variable names (TWILIO_AUTH_TOKEN, ...) are fields' aliases."""
+    return SettingsConfigDict(env_prefix=prefix, extra="ignore", populate_by_name=True)
+
+
+class CarrierSettings(BaseSettings):
+    """What a carrier's settings share: the development switch that accepts its requests
+    unsigned, and the check that refuses to start without the secret its signatures need."""
+
+    dev_skip_signature: bool = False
+
+    def require_secret(self, validate: bool, present: bool, problem: str) -> None:
+        """UserError(`problem`, and the development switch) when requests are to be checked and
+        the secret to check them with (`present`) is missing."""
+        if validate and not self.dev_skip_signature and not present:
+            switch = f"{self.model_config.get('env_prefix', '')}DEV_SKIP_SIGNATURE=1"
+            raise UserError(f"{problem} (for local development only: {switch})")

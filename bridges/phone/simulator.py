@@ -41,6 +41,7 @@ import numpy as np
 
 from .audio_path import codec_for
 from .carrier import AudioFormat
+from .urls import websocket_base
 
 
 @dataclass(frozen=True)
@@ -365,9 +366,9 @@ class PhoneSimulator:
     async def stream(self, offer: StreamOffer, *, hang_up: bool = True) -> AsyncIterator[SimulatedStream]:
         """Open the offered stream as the carrier does; the caller hangs up at the end."""
         url, headers = self.side.upgrade(offer, self.public_url)
-        target = _ws(self.public_url)
+        target = websocket_base(self.public_url)
         if url.startswith(target):
-            url = _ws(self.base_url) + url[len(target) :]
+            url = websocket_base(self.base_url) + url[len(target) :]
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10))
         try:
             protocols = tuple(getattr(self.side, "subprotocols", ()))
@@ -395,9 +396,24 @@ class PhoneSimulator:
             await session.close()
 
 
-def _ws(url: str) -> str:
-    if url.startswith("https://"):
-        return "wss://" + url[8:]
-    if url.startswith("http://"):
-        return "ws://" + url[7:]
-    return url
+class Caller(Protocol):
+    """What `say_with_keys` needs of a simulated call (SimulatedStream, or a carrier's own)."""
+
+    async def play(self, pcm: np.ndarray) -> None: ...
+
+    async def dtmf(self, digit: str) -> None: ...
+
+
+async def say_with_keys(call: Caller, line: np.ndarray, rate: int, digits: list[tuple[float, str]]) -> None:
+    """The caller says `line` (at `rate`) at real time, pressing each key at its time ((seconds
+    into it, key), in order), then keeps half a second of silence for the agent's last words."""
+    cursor = 0
+    for at, key in digits:
+        upto = min(len(line), round(at * rate))
+        if upto > cursor:
+            await call.play(line[cursor:upto])
+            cursor = upto
+        await call.dtmf(key)
+    if cursor < len(line):
+        await call.play(line[cursor:])
+    await call.play(np.zeros(rate // 2, np.float32))

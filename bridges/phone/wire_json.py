@@ -1,6 +1,9 @@
-"""Helpers for carriers whose stream messages are JSON text (Twilio-like protocols): reading one
-message, its sections and fields, base64 payloads; each failure a ProtocolError with the close
-code to end the stream with. Plain functions over dicts: no sockets, nothing of the call."""
+"""What carriers' stream wires share: reading a JSON text message, its sections and fields,
+base64 payloads, DTMF keys, L16 in binary frames; and `JsonStreamWire`, the receiving half of the
+Twilio-style JSON stream (`start` once, then `media`, `mark`, `dtmf`, `stop` of that stream)
+that Twilio, Telnyx, Plivo and Exotel speak with their own key names. Each failure is a
+ProtocolError with the close code to end the stream with. Plain data: no sockets, nothing of the
+call."""
 
 from __future__ import annotations
 
@@ -8,11 +11,21 @@ import base64
 import binascii
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from .carrier import CLOSE_INVALID_DATA, ProtocolError
+from .carrier import (
+    CLOSE_INVALID_DATA,
+    CallerMedia,
+    Digit,
+    MarkPlayed,
+    ProtocolError,
+    StreamEvent,
+    StreamStart,
+    StreamStop,
+)
 
 DTMF_KEYS = frozenset("0123456789*#ABCD")
+CALLER_TRACKS = ("inbound", "inbound_track")  # a stream may carry other tracks: only these are the caller
 
 
 def json_message(raw: Mapping[str, Any], event_key: str = "event") -> dict[str, Any]:
@@ -93,3 +106,85 @@ def string_map(value: Any) -> dict[str, str]:
 
 def dumps(message: Mapping[str, Any]) -> str:
     return json.dumps(message, separators=(",", ":"))
+
+
+def content_type_rate(value: str) -> tuple[str, int | None]:
+    """`audio/l16;rate=16000` -> ("audio/l16", 16000); the rate None when not given as a number."""
+    kind, _, rest = value.partition(";")
+    return kind.strip().lower(), number(rest.strip().removeprefix("rate="))
+
+
+def whole_samples(data: bytes, what: str = "L16 audio") -> bytes:
+    """16-bit audio, refused (1007) unless it holds whole samples."""
+    if len(data) % 2:
+        raise ProtocolError(f"{what} must hold whole 2-byte samples", CLOSE_INVALID_DATA)
+    return bytes(data)
+
+
+def binary_l16(raw: Mapping[str, Any], started: bool, before: str) -> CallerMedia | None:
+    """A binary frame of the caller's L16 audio (carriers that send audio raw: Vonage, jambonz);
+    None when the message is text. `before` is the error for audio before the stream started."""
+    data = raw.get("bytes")
+    if raw.get("text") is not None or data is None:
+        return None
+    if not started:
+        raise ProtocolError(before)
+    return CallerMedia(whole_samples(data))
+
+
+class JsonStreamWire:
+    """The receiving half of a Twilio-style JSON stream: `start` once and first (a `connected`
+    greeting aside), then only messages of that stream (`stream_key` names it), `media`, `mark`,
+    `dtmf` and `stop` as the call's events. A carrier's wire names its keys, reads its own
+    `start` (setting `stream_id`), formats what we send, and overrides `event` or
+    `caller_media` where its protocol differs."""
+
+    stream_key: ClassVar[str]  # the stream's id on each message ("streamSid", "stream_id", …)
+    hello: ClassVar[str | None] = "connected"  # a greeting with nothing in it (None: the carrier sends none)
+    stream_key_required: ClassVar[bool] = False  # True: a message that does not name the stream is refused
+
+    def __init__(self) -> None:
+        self.stream_id = ""
+
+    def parse(self, raw: Mapping[str, Any]) -> StreamEvent | None:
+        message = self.read(raw)
+        event = message["event"]
+        if event == self.hello:
+            return None
+        if event == "start":
+            if self.stream_id:
+                raise ProtocolError("a second `start` on one stream")
+            return self.start(message)
+        if not self.stream_id:
+            raise ProtocolError(f"`{event}` before `start`")
+        named = message.get(self.stream_key)
+        if named != self.stream_id and (named is not None or self.stream_key_required):
+            raise ProtocolError(f"`{event}` for another stream ({named!r})")
+        return self.event(event, message)
+
+    def read(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return json_message(raw)
+
+    def start(self, message: dict[str, Any]) -> StreamStart:
+        """The `start` message as the call's StreamStart; sets `stream_id`."""
+        raise NotImplementedError
+
+    def event(self, event: str, message: dict[str, Any]) -> StreamEvent | None:
+        if event == "media":
+            return self.caller_media(section(message, "media"))
+        if event == "mark":
+            name = section(message, "mark").get("name")
+            return MarkPlayed(name) if isinstance(name, str) else None
+        if event == "dtmf":
+            return Digit(self.dtmf_key(section(message, "dtmf")))
+        if event == "stop":
+            return StreamStop()
+        return None  # anything new
+
+    def caller_media(self, media: dict[str, Any]) -> CallerMedia | None:
+        if media.get("track", "inbound") not in CALLER_TRACKS:
+            return None  # only the caller's audio goes to the agent
+        return CallerMedia(b64_payload(media), number(media.get("chunk")))
+
+    def dtmf_key(self, dtmf: dict[str, Any]) -> str:
+        return digit(dtmf.get("digit"))

@@ -26,14 +26,9 @@ __all__ = ["PlivoSettings", "make_carrier"]
 
 def make_carrier(service: Any, settings: PlivoSettings | None = None) -> PlivoCarrier:
     """The Plivo carrier for `service` (a personaplex_phone PhoneService)."""
+    from personaplex_phone.carrier_kit import with_publisher
+
     from .carrier import PlivoCarrier
 
-    carrier: PlivoCarrier
-
-    def publish(reply: Any, base: str) -> str:
-        return service.publish(carrier, reply, base)
-
-    carrier = PlivoCarrier(
-        settings or PlivoSettings(), service.rest.send, publish, service.settings.validate_signatures
-    )
-    return carrier
+    chosen, validate = settings or PlivoSettings(), service.settings.validate_signatures
+    return with_publisher(service, lambda publish: PlivoCarrier(chosen, service.rest.send, publish, validate))

@@ -14,16 +14,18 @@ from urllib.parse import parse_qsl
 
 from personaplex_phone import carrier as phone
 from personaplex_phone.carrier import CallFacts, CallStatus, CarrierPaths, Reply, Webhook
+from personaplex_phone.carrier_kit import CarrierDefaults, FactFields
 from personaplex_phone.service import form_fields
-from starlette.requests import HTTPConnection
 
 from . import plivoxml, signatures
 from .config import PlivoSettings
-from .control import ANSWER_PATH, PlivoControl, Publish
+from .control import ANSWER_PATH, PlivoControl
 from .wire import PlivoWire
 
+FIELDS = FactFields("CallUUID", "From", "To", "Direction")
 
-class PlivoCarrier:
+
+class PlivoCarrier(CarrierDefaults):
     name = "plivo"
     paths = CarrierPaths(
         answer=ANSWER_PATH,
@@ -33,13 +35,12 @@ class PlivoCarrier:
     )
     stream_ends_on_close = True  # Plivo ends a stream by closing its socket
 
-    def __init__(self, settings: PlivoSettings, send: phone.SendRequest, publish: Publish, validate: bool):
+    def __init__(
+        self, settings: PlivoSettings, send: phone.SendRequest, publish: phone.Publish, validate: bool
+    ):
         self.settings = settings
         self.validate = validate
         self.control = PlivoControl(settings, send, publish)
-
-    def check(self) -> None:
-        self.settings.check(self.validate)
 
     # --- webhooks ------------------------------------------------------------------------------
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
@@ -52,40 +53,23 @@ class PlivoCarrier:
         token = self.settings.auth_token.get_secret_value()
         return signatures.verify(token, webhook.method, webhook.url, webhook.headers, form)
 
-    def verify_upgrade(self, conn: HTTPConnection) -> bool:
-        return True  # unsigned by Plivo: the ticket in the URL is what the stream must present
-
     def facts(self, webhook: Webhook) -> CallFacts:
-        form = webhook.fields
-        return CallFacts(
-            call_id=form.get("CallUUID", ""),
-            from_=form.get("From", ""),
-            to=form.get("To", ""),
-            direction=form.get("Direction", "inbound"),
-        )
+        return FIELDS.facts(webhook.fields)
 
     def status(self, webhook: Webhook) -> CallStatus | None:
         # The application's Hangup URL: whatever it says, the call is over.
         form = webhook.fields
-        facts = CallFacts(
-            form.get("CallUUID", ""), form.get("From", ""), form.get("To", ""), form.get("Direction", "")
-        )
+        facts = FIELDS.status_facts(form)
         return CallStatus(
             facts.call_id, form.get("CallStatus", "completed"), True, facts, form.get("Duration", "")
         )
 
     # --- markup --------------------------------------------------------------------------------
-    def stream_url(self, ws_base: str, ticket: str) -> str:
-        return f"{ws_base}/{ticket}"
-
     def answer_stream(self, stream_url: str, params: Mapping[str, str], facts: CallFacts) -> Reply:
         return Reply(plivoxml.stream(stream_url, params, self.settings.content_type), plivoxml.XML)
 
     def answer_refusal(self, message: str, busy: bool) -> Reply:
         return Reply(plivoxml.say_and_hang_up(message), plivoxml.XML)
-
-    def engine_lost(self, apology: str) -> list[phone.Step]:
-        return [phone.Say(apology), phone.Hangup()]
 
     def new_wire(self) -> PlivoWire:
         return PlivoWire()

@@ -14,16 +14,15 @@ Requests are built here and sent by the phone call's HTTP client: no socket in t
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Sequence
-from urllib.parse import urlencode
+from collections.abc import Sequence
 
 from personaplex_phone import carrier as phone
-from personaplex_phone.carrier import CallHandle, Outcome, Reply, RestRequest, SendRequest
+from personaplex_phone.carrier import CallHandle, Outcome, Publish, Reply, RestRequest, SendRequest
+from personaplex_phone.carrier_kit import resume_url
 
 from . import plivoxml
 from .config import PlivoSettings
 
-Publish = Callable[[Reply, str], str]
 ANSWER_PATH = "/plivo/answer"
 
 
@@ -47,10 +46,7 @@ class PlivoControl:
     async def _go(self, request: RestRequest) -> Outcome:
         if not self.available:
             return Outcome(False, "no PLIVO_AUTH_ID/PLIVO_AUTH_TOKEN")
-        answer = await self._send(request)
-        return (
-            Outcome(True) if answer.ok else Outcome(False, f"Plivo answered {answer.status or answer.error}")
-        )
+        return (await self._send(request)).outcome("Plivo")
 
     async def hang_up(self, call: CallHandle) -> Outcome:
         return await self._go(RestRequest("DELETE", self._call_url(call), headers=self._auth()))
@@ -74,7 +70,6 @@ class PlivoControl:
             return self._publish(Reply(plivoxml.say_only(dial.whisper), plivoxml.XML), call.public_base)
 
         def resume(step: phone.Resume) -> str:
-            query = urlencode({"persona": step.persona, "resume": step.token})
-            return f"{call.public_base}{ANSWER_PATH}?{query}"
+            return resume_url(call.public_base, ANSWER_PATH, step)
 
         return plivoxml.render(steps, whisper_url=whisper, resume_url=resume)

@@ -13,12 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import quote
 
 from personaplex_phone import carrier as phone
+from personaplex_phone import xml_markup
 
 XML = "application/xml"
-
-
-def _document(root: ET.Element) -> str:
-    return '<?xml version="1.0" encoding="utf-8"?>' + ET.tostring(root, encoding="unicode")
 
 
 def extra_headers(values: Mapping[str, str]) -> str:
@@ -32,7 +29,7 @@ def stream(url: str, parameters: Mapping[str, str], content_type: str) -> str:
     if parameters:
         attributes["extraHeaders"] = extra_headers(parameters)
     ET.SubElement(response, "Stream", attributes).text = url
-    return _document(response)
+    return xml_markup.xml_document(response, "utf-8")
 
 
 def render(
@@ -61,12 +58,12 @@ def render(
             ET.SubElement(response, "Redirect").text = step.url
         elif isinstance(step, phone.Resume):
             ET.SubElement(response, "Redirect").text = resume_url(step)
-    return _document(response)
+    return xml_markup.xml_document(response, "utf-8")
 
 
 def say_and_hang_up(message: str) -> str:
-    return render([phone.Say(message), phone.Hangup()], whisper_url=lambda _: None, resume_url=lambda _: "")
+    return xml_markup.say_and_hang_up(render, message)
 
 
 def say_only(message: str) -> str:
-    return render([phone.Say(message)], whisper_url=lambda _: None, resume_url=lambda _: "")
+    return xml_markup.say_only(render, message)

@@ -13,40 +13,27 @@ import base64
 import json
 import os
 import secrets
-import uuid
 import xml.etree.ElementTree as ET
-from urllib.parse import urlencode
 
+from personaplex_phone.sim_sides import SideDefaults, form_post, secret, with_query
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 
 from .signatures import NONCE_HEADER, SIGNATURE_HEADER, signature
 from .wire import audio_format, content_type_of, extra_headers
 
 
-class PlivoSide:
+class PlivoSide(SideDefaults):
     name = "plivo"
-    chunk_ms = 20
-    marks_on_clear = False
-    ends_by_close = True
 
     def __init__(self, auth_id: str, auth_token: str):
         self.auth_id = auth_id
         self.auth_token = auth_token
         self._seq = 0
 
-    @staticmethod
-    def new_call_id() -> str:
-        return str(uuid.uuid4())
-
     def _signed(self, public_url: str, path: str, form: dict[str, str]) -> HttpRequest:
         nonce = secrets.token_hex(10)
         digest = signature(self.auth_token, "POST", public_url + path, nonce, list(form.items()))
-        headers = {
-            SIGNATURE_HEADER: digest,
-            NONCE_HEADER: nonce,
-            "Content-Type": "application/x-www-form-urlencoded",
-        }
-        return HttpRequest("POST", path, headers, urlencode(form).encode())
+        return form_post(path, form, {SIGNATURE_HEADER: digest, NONCE_HEADER: nonce})
 
     def answer_request(
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
@@ -59,7 +46,7 @@ class PlivoSide:
             "CallStatus": "in-progress",
             "Event": "StartApp",
         }
-        return self._signed(public_url, "/plivo/answer" + (f"?{query}" if query else ""), form)
+        return self._signed(public_url, with_query("/plivo/answer", query), form)
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
         if status != 200:
@@ -70,9 +57,6 @@ class PlivoSide:
         fmt = audio_format(stream.get("contentType", "audio/x-l16;rate=8000"))
         params = extra_headers(stream.get("extraHeaders", ""))
         return StreamOffer(call_id, (stream.text or "").strip(), params, fmt, fmt)
-
-    def upgrade(self, offer: StreamOffer, public_url: str) -> tuple[str, dict[str, str]]:
-        return offer.url, {}
 
     def _next(self) -> int:
         self._seq += 1
@@ -109,10 +93,7 @@ class PlivoSide:
     def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
         return json.dumps({"event": "dtmf", "streamId": stream_id, "dtmf": {"digit": digit}})
 
-    def stop(self, offer: StreamOffer, stream_id: str) -> None:
-        return None  # Plivo ends a stream by closing the socket
-
-    def read(self, message: str | bytes) -> Ours:
+    def read_text(self, message: str) -> Ours:
         data = json.loads(message)
         event = data.get("event")
         if event == "playAudio":
@@ -136,7 +117,5 @@ class PlivoSide:
 
 def side(auth_id: str | None = None, auth_token: str | None = None) -> PlivoSide:
     auth_id = auth_id or os.environ.get("PLIVO_AUTH_ID", "MA" + "0" * 18)
-    token = auth_token or os.environ.get("PLIVO_AUTH_TOKEN", "")
-    if not token:
-        raise ValueError("the Plivo simulator signs like Plivo: set PLIVO_AUTH_TOKEN (the server's)")
-    return PlivoSide(auth_id, token)
+    why = "the Plivo simulator signs like Plivo: set PLIVO_AUTH_TOKEN (the server's)"
+    return PlivoSide(auth_id, secret(auth_token, "PLIVO_AUTH_TOKEN", why))

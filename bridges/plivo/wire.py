@@ -14,7 +14,6 @@ or 16000); `audio/x-mulaw` is μ-law at 8 kHz. Both directions use the stream's 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -22,7 +21,6 @@ from personaplex_phone import wire_json as j
 from personaplex_phone.carrier import (
     CLOSE_INVALID_DATA,
     AudioFormat,
-    CallerMedia,
     Digit,
     MarkPlayed,
     ProtocolError,
@@ -34,10 +32,9 @@ from personaplex_phone.carrier import (
 
 def audio_format(content_type: str, rate: int | None = None) -> AudioFormat:
     """`audio/x-l16;rate=16000` (or an encoding and a separate rate) as the call's format."""
-    kind, _, rest = content_type.partition(";")
+    kind, given = j.content_type_rate(content_type)
     if rate is None:
-        rate = j.number(rest.strip().removeprefix("rate=")) or 8000
-    kind = kind.strip().lower()
+        rate = given or 8000
     if kind == "audio/x-l16" and rate in (8000, 16000):
         return AudioFormat("l16", rate, big_endian=False)
     if kind == "audio/x-mulaw" and rate == 8000:
@@ -63,27 +60,18 @@ def extra_headers(value: Any) -> dict[str, str]:
     return j.string_map(parsed)
 
 
-class PlivoWire:
+class PlivoWire(j.JsonStreamWire):
+    stream_key = "streamId"
+    hello = None  # Plivo starts with `start`
+
     def __init__(self) -> None:
-        self.stream_id = ""
+        super().__init__()
         self.format = AudioFormat("l16", 16000)
         self._play_head = ""
 
-    def parse(self, raw: Mapping[str, Any]) -> StreamEvent | None:
-        message = j.json_message(raw)
-        event = message["event"]
-        if event == "start":
-            return self._start(message)
-        if not self.stream_id:
-            raise ProtocolError(f"`{event}` before `start`")
-        stream_id = message.get("streamId")
-        if stream_id is not None and stream_id != self.stream_id:
-            raise ProtocolError(f"`{event}` for another stream ({stream_id!r})")
+    def event(self, event: str, message: dict[str, Any]) -> StreamEvent | None:
         if event == "media":
-            media = j.section(message, "media")
-            if media.get("track", "inbound") not in ("inbound", "inbound_track"):
-                return None
-            return CallerMedia(j.b64_payload(media), j.number(media.get("chunk")))
+            return self.caller_media(j.section(message, "media"))
         if event == "playedStream":
             name = message.get("name")
             return MarkPlayed(name) if isinstance(name, str) else None
@@ -94,9 +82,7 @@ class PlivoWire:
             return StreamStop()
         return None  # clearedAudio and anything new
 
-    def _start(self, message: dict[str, Any]) -> StreamStart:
-        if self.stream_id:
-            raise ProtocolError("a second `start` on one stream")
+    def start(self, message: dict[str, Any]) -> StreamStart:
         start = j.section(message, "start")
         stream_id, call_id = start.get("streamId"), start.get("callId")
         if not isinstance(stream_id, str) or not stream_id or not isinstance(call_id, str) or not call_id:

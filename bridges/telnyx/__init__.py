@@ -27,14 +27,11 @@ __all__ = ["TelnyxSettings", "make_carrier"]
 
 def make_carrier(service: Any, settings: TelnyxSettings | None = None) -> TelnyxCarrier:
     """The Telnyx carrier for `service` (a personaplex_phone PhoneService)."""
+    from personaplex_phone.carrier_kit import with_publisher
+
     from .carrier import TelnyxCarrier
 
-    carrier: TelnyxCarrier
-
-    def publish(reply: Any, base: str) -> str:
-        return service.publish(carrier, reply, base)
-
-    carrier = TelnyxCarrier(
-        settings or TelnyxSettings(), service.rest.send, publish, service.settings.validate_signatures
+    chosen, validate = settings or TelnyxSettings(), service.settings.validate_signatures
+    return with_publisher(
+        service, lambda publish: TelnyxCarrier(chosen, service.rest.send, publish, validate)
     )
-    return carrier

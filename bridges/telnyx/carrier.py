@@ -13,27 +13,29 @@ from collections.abc import Mapping
 
 from personaplex_phone import carrier as phone
 from personaplex_phone.carrier import AudioFormat, CallFacts, CallStatus, CarrierPaths, Reply, Webhook
+from personaplex_phone.carrier_kit import TWIML_FIELDS, CarrierDefaults
 from personaplex_phone.service import form_fields
-from starlette.requests import HTTPConnection
 
 from personaplex_voice.errors import UserError
 
 from . import signatures, texml
 from .config import TelnyxSettings
-from .control import ANSWER_PATH, Publish, TelnyxControl
+from .control import ANSWER_PATH, TelnyxControl
 from .wire import CALL_ID_PARAMETER, TelnyxWire, audio_format
 
 TERMINAL_STATUSES = {"completed", "busy", "failed", "no-answer", "canceled"}
 
 
-class TelnyxCarrier:
+class TelnyxCarrier(CarrierDefaults):
     name = "telnyx"
     paths = CarrierPaths(
         answer=ANSWER_PATH, answer_methods=("POST",), status="/telnyx/status", media="/telnyx/media-stream"
     )
     stream_ends_on_close = False  # Telnyx says `stop`
 
-    def __init__(self, settings: TelnyxSettings, send: phone.SendRequest, publish: Publish, validate: bool):
+    def __init__(
+        self, settings: TelnyxSettings, send: phone.SendRequest, publish: phone.Publish, validate: bool
+    ):
         self.settings = settings
         self.validate = validate
         self.control = TelnyxControl(settings, send, publish)
@@ -45,7 +47,7 @@ class TelnyxCarrier:
             self.key, self._key_error = None, str(exc)
 
     def check(self) -> None:
-        self.settings.check(self.validate)
+        super().check()
         if self._key_error:
             raise UserError(self._key_error)
 
@@ -64,33 +66,18 @@ class TelnyxCarrier:
             self.settings.signature_tolerance_s,
         )
 
-    def verify_upgrade(self, conn: HTTPConnection) -> bool:
-        return True  # unsigned by Telnyx: the ticket in the URL is what the stream must present
-
     def facts(self, webhook: Webhook) -> CallFacts:
-        form = webhook.fields
-        return CallFacts(
-            call_id=form.get("CallSid", ""),
-            from_=form.get("From", ""),
-            to=form.get("To", ""),
-            direction=form.get("Direction", "inbound"),
-            account=form.get("AccountSid", ""),
-        )
+        return TWIML_FIELDS.facts(webhook.fields)
 
     def status(self, webhook: Webhook) -> CallStatus | None:
         form = webhook.fields
         status = form.get("CallStatus") or form.get("StreamEvent") or "unknown"
-        facts = CallFacts(
-            form.get("CallSid", ""), form.get("From", ""), form.get("To", ""), form.get("Direction", "")
-        )
+        facts = TWIML_FIELDS.status_facts(form)
         return CallStatus(
             facts.call_id, status, status in TERMINAL_STATUSES, facts, form.get("CallDuration", "")
         )
 
     # --- markup --------------------------------------------------------------------------------
-    def stream_url(self, ws_base: str, ticket: str) -> str:
-        return f"{ws_base}/{ticket}"
-
     def answer_stream(self, stream_url: str, params: Mapping[str, str], facts: CallFacts) -> Reply:
         parameters = {**params, CALL_ID_PARAMETER: facts.call_id}
         codec = self.outbound.codec.upper()
@@ -98,9 +85,6 @@ class TelnyxCarrier:
 
     def answer_refusal(self, message: str, busy: bool) -> Reply:
         return Reply(texml.say_and_hang_up(message), texml.XML)
-
-    def engine_lost(self, apology: str) -> list[phone.Step]:
-        return [phone.Say(apology), phone.Hangup()]
 
     def new_wire(self) -> TelnyxWire:
         return TelnyxWire(self.outbound)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+from personaplex_phone.config import CarrierSettings, carrier_config
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from personaplex_voice.errors import UserError
 
 
-class TelnyxSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_TELNYX_", extra="ignore", populate_by_name=True)
+class TelnyxSettings(CarrierSettings):
+    model_config = carrier_config("PERSONAPLEX_TELNYX_")
 
     # The account's webhook signing key (Portal > Keys & Credentials > Public Key), base64 Ed25519.
     public_key: str = Field("", validation_alias=AliasChoices("TELNYX_PUBLIC_KEY", "public_key"))
@@ -26,14 +26,13 @@ class TelnyxSettings(BaseSettings):
     # PCMU at 8 kHz. What the caller sends is the call's own codec, as the stream's start says.
     codec: Literal["L16", "PCMU", "PCMA"] = "L16"
     sample_rate: Literal[8000, 16000] = 16000
-    dev_skip_signature: bool = False
 
     def check(self, validate: bool) -> None:
-        if validate and not self.dev_skip_signature and not self.public_key:
-            raise UserError(
-                "the Telnyx carrier needs TELNYX_PUBLIC_KEY (the base64 Ed25519 key of your account, "
-                "Portal > Keys & Credentials) to check webhook signatures "
-                "(for local development only: PERSONAPLEX_TELNYX_DEV_SKIP_SIGNATURE=1)"
-            )
+        self.require_secret(
+            validate,
+            bool(self.public_key),
+            "the Telnyx carrier needs TELNYX_PUBLIC_KEY (the base64 Ed25519 key of your account, "
+            "Portal > Keys & Credentials) to check webhook signatures",
+        )
         if self.codec != "L16" and self.sample_rate != 8000:
             raise UserError(f"PERSONAPLEX_TELNYX_CODEC={self.codec} is an 8 kHz codec: set SAMPLE_RATE=8000")

@@ -14,16 +14,15 @@ the phone call's HTTP client: no socket in this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from urllib.parse import urlencode
+from collections.abc import Sequence
 
 from personaplex_phone import carrier as phone
-from personaplex_phone.carrier import CallHandle, Outcome, Reply, RestAnswer, RestRequest, SendRequest
+from personaplex_phone.carrier import CallHandle, Outcome, Publish, Reply, RestRequest, SendRequest
+from personaplex_phone.carrier_kit import resume_url
 
 from . import texml
 from .config import TelnyxSettings
 
-Publish = Callable[[Reply, str], str]  # (document, public base) -> the URL Telnyx fetches it at
 ANSWER_PATH = "/telnyx/voice"
 
 
@@ -48,10 +47,7 @@ class TelnyxControl:
     async def _go(self, request: RestRequest) -> Outcome:
         if not self.available:
             return Outcome(False, "no TELNYX_API_KEY")
-        answer: RestAnswer = await self._send(request)
-        return (
-            Outcome(True) if answer.ok else Outcome(False, f"Telnyx answered {answer.status or answer.error}")
-        )
+        return (await self._send(request)).outcome("Telnyx")
 
     async def hang_up(self, call: CallHandle) -> Outcome:
         return await self._go(
@@ -84,7 +80,6 @@ class TelnyxControl:
             return self._publish(Reply(texml.say_only(dial.whisper), texml.XML), call.public_base)
 
         def resume(step: phone.Resume) -> str:
-            query = urlencode({"persona": step.persona, "resume": step.token})
-            return f"{call.public_base}{ANSWER_PATH}?{query}"
+            return resume_url(call.public_base, ANSWER_PATH, step)
 
         return texml.render(steps, whisper_url=whisper, resume_url=resume)

@@ -13,12 +13,9 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 
 from personaplex_phone import carrier as phone
+from personaplex_phone import xml_markup
 
 XML = "application/xml"
-
-
-def _document(root: ET.Element) -> str:
-    return '<?xml version="1.0" encoding="UTF-8"?>' + ET.tostring(root, encoding="unicode")
 
 
 def connect_stream(url: str, parameters: Mapping[str, str], codec: str, rate: int) -> str:
@@ -37,15 +34,15 @@ def connect_stream(url: str, parameters: Mapping[str, str], codec: str, rate: in
     )
     for name, value in parameters.items():
         ET.SubElement(stream, "Parameter", {"name": name, "value": value})
-    return _document(response)
+    return xml_markup.xml_document(response)
 
 
 def say_and_hang_up(message: str) -> str:
-    return render([phone.Say(message), phone.Hangup()], whisper_url=lambda _: None, resume_url=lambda _: "")
+    return xml_markup.say_and_hang_up(render, message)
 
 
 def say_only(message: str) -> str:
-    return render([phone.Say(message)], whisper_url=lambda _: None, resume_url=lambda _: "")
+    return xml_markup.say_only(render, message)
 
 
 def render(
@@ -73,4 +70,4 @@ def render(
             ET.SubElement(response, "Redirect", {"method": "POST"}).text = step.url
         elif isinstance(step, phone.Resume):
             ET.SubElement(response, "Redirect", {"method": "POST"}).text = resume_url(step)
-    return _document(response)
+    return xml_markup.xml_document(response)

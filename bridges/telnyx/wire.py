@@ -16,20 +16,15 @@ clear error: ask Telnyx for PCMU/PCMA/L16 (the `codec` attribute of our `<Stream
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from personaplex_phone import wire_json as j
 from personaplex_phone.carrier import (
     CLOSE_INVALID_DATA,
     AudioFormat,
-    CallerMedia,
-    Digit,
-    MarkPlayed,
     ProtocolError,
     StreamEvent,
     StreamStart,
-    StreamStop,
 )
 
 log = logging.getLogger(__name__)
@@ -54,46 +49,24 @@ def audio_format(codec: str, rate: int) -> AudioFormat:
     return AudioFormat(name, rate, big_endian=name == "l16")  # type: ignore[arg-type]
 
 
-class TelnyxWire:
-    def __init__(self, outbound: AudioFormat):
-        self.outbound = outbound
-        self.stream_id = ""
+class TelnyxWire(j.JsonStreamWire):
+    stream_key = "stream_id"
 
-    def parse(self, raw: Mapping[str, Any]) -> StreamEvent | None:
-        message = j.json_message(raw)
-        event = message["event"]
-        if event == "connected":
-            return None
-        if event == "start":
-            return self._start(message)
-        if not self.stream_id:
-            raise ProtocolError(f"`{event}` before `start`")
-        stream_id = message.get("stream_id")
-        if stream_id is not None and stream_id != self.stream_id:
-            raise ProtocolError(f"`{event}` for another stream ({stream_id!r})")
-        if event == "media":
-            media = j.section(message, "media")
-            if media.get("track", "inbound") not in ("inbound", "inbound_track"):
-                return None  # only the caller's audio goes to the agent
-            return CallerMedia(j.b64_payload(media), j.number(media.get("chunk")))
-        if event == "mark":
-            name = j.section(message, "mark").get("name")
-            return MarkPlayed(name) if isinstance(name, str) else None
-        if event == "dtmf":
-            return Digit(j.digit(j.section(message, "dtmf").get("digit")))
-        if event == "stop":
-            return StreamStop()
+    def __init__(self, outbound: AudioFormat):
+        super().__init__()
+        self.outbound = outbound
+
+    def event(self, event: str, message: dict[str, Any]) -> StreamEvent | None:
         if event == "error":
             log.warning(
                 "telnyx %s: the stream reports an error: %s",
                 self.stream_id,
                 str(message.get("payload"))[:300],
             )
-        return None
+            return None
+        return super().event(event, message)
 
-    def _start(self, message: dict[str, Any]) -> StreamStart:
-        if self.stream_id:
-            raise ProtocolError("a second `start` on one stream")
+    def start(self, message: dict[str, Any]) -> StreamStart:
         start = j.section(message, "start")
         stream_id = message.get("stream_id") or start.get("stream_id")
         control_id = start.get("call_control_id")

@@ -18,15 +18,14 @@ from personaplex_phone.carrier import (
     CallFacts,
     CallStatus,
     CarrierPaths,
-    Digit,
-    MarkPlayed,
     ProtocolError,
     Reply,
     StreamStart,
-    StreamStop,
     Webhook,
 )
+from personaplex_phone.carrier_kit import TWIML_FIELDS, CarrierDefaults
 from personaplex_phone.service import form_fields
+from personaplex_phone.wire_json import JsonStreamWire
 from starlette.requests import HTTPConnection
 
 from . import twiml, wire
@@ -38,53 +37,43 @@ XML = "application/xml"
 TERMINAL_STATUSES = {"completed", "busy", "failed", "no-answer", "canceled"}
 
 
-class TwilioWire:
-    """One Media Stream's messages (wire.py's parsing, as the phone call's events). Our media
-    messages carry `message_ms` of audio each (Twilio's own are 20 ms)."""
+class TwilioWire(JsonStreamWire):
+    """One Media Stream's messages: wire.py's parsing in the phone call's JSON stream skeleton.
+    Our media messages carry `message_ms` of audio each (Twilio's own are 20 ms)."""
+
+    stream_key = "streamSid"
+    stream_key_required = True  # Twilio names the stream on every message
 
     def __init__(self, max_bytes: int, message_ms: int = phone.CHUNK_MS):
+        super().__init__()
         self.max_bytes = max_bytes
         self.outbound = replace(MULAW_8K, message_ms=message_ms)
-        self.stream_sid = ""
         self.messages = wire.OutboundMessages("")
 
     def parse(self, message: Mapping[str, Any]) -> phone.StreamEvent | None:
         try:
-            return self._parse(message)
+            return super().parse(message)
         except wire.ProtocolError as exc:
             raise ProtocolError(str(exc), exc.code) from None
 
-    def _parse(self, raw: Mapping[str, Any]) -> phone.StreamEvent | None:
-        message = wire.parse_message(dict(raw), self.max_bytes)
-        event = message["event"]
-        if event == "connected":
-            return None
-        if event == "start":
-            if self.stream_sid:
-                raise ProtocolError("a second `start` on one stream")
-            start = wire.parse_start(message)
-            self.stream_sid = start.stream_sid
-            self.messages = wire.OutboundMessages(start.stream_sid)
-            return StreamStart(
-                start.stream_sid, start.call_sid, MULAW_8K, self.outbound, params=start.custom_parameters
-            )
-        if not self.stream_sid:
-            raise ProtocolError(f"`{event}` before `start`")
-        if message.get("streamSid") != self.stream_sid:
-            raise ProtocolError(f"`{event}` for another stream ({message.get('streamSid')!r})")
-        if event == "media":
-            media = wire.section(message, "media")
-            if not wire.is_caller_track(media):
-                return None  # only the caller's audio goes to the agent
-            return CallerMedia(wire.media_payload(media), wire.media_chunk(media))
-        if event == "mark":
-            name = wire.mark_name(wire.section(message, "mark"))
-            return MarkPlayed(name) if name is not None else None
-        if event == "dtmf":
-            return Digit(wire.dtmf_digit(wire.section(message, "dtmf")))
-        if event == "stop":
-            return StreamStop()
-        return None
+    def read(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return wire.parse_message(dict(raw), self.max_bytes)
+
+    def start(self, message: dict[str, Any]) -> StreamStart:
+        start = wire.parse_start(message)
+        self.stream_id = start.stream_sid
+        self.messages = wire.OutboundMessages(start.stream_sid)
+        return StreamStart(
+            start.stream_sid, start.call_sid, MULAW_8K, self.outbound, params=start.custom_parameters
+        )
+
+    def caller_media(self, media: dict[str, Any]) -> CallerMedia | None:
+        if not wire.is_caller_track(media):
+            return None  # only the caller's audio goes to the agent
+        return CallerMedia(wire.media_payload(media), wire.media_chunk(media))
+
+    def dtmf_key(self, dtmf: dict[str, Any]) -> str:
+        return wire.dtmf_digit(dtmf)
 
     def media(self, payload: bytes) -> str:
         return self.messages.media(payload)
@@ -96,7 +85,7 @@ class TwilioWire:
         return self.messages.clear()
 
 
-class TwilioCarrier:
+class TwilioCarrier(CarrierDefaults):
     name = "twilio"
     paths = CarrierPaths(
         answer=VOICE_PATH, answer_methods=("POST",), status=STATUS_PATH, media=MEDIA_STREAM_PATH
@@ -127,29 +116,17 @@ class TwilioCarrier:
         return self.signatures.check_upgrade(conn)
 
     def facts(self, webhook: Webhook) -> CallFacts:
-        form = webhook.fields
-        return CallFacts(
-            call_id=form.get("CallSid", ""),
-            from_=form.get("From", ""),
-            to=form.get("To", ""),
-            direction=form.get("Direction", "inbound"),
-            account=form.get("AccountSid", ""),
-        )
+        return TWIML_FIELDS.facts(webhook.fields)
 
     def status(self, webhook: Webhook) -> CallStatus | None:
         form = webhook.fields
         status = form.get("CallStatus", "unknown")
-        facts = CallFacts(
-            form.get("CallSid", ""), form.get("From", ""), form.get("To", ""), form.get("Direction", "")
-        )
+        facts = TWIML_FIELDS.status_facts(form)
         return CallStatus(
             facts.call_id, status, status in TERMINAL_STATUSES, facts, form.get("CallDuration", "")
         )
 
     # --- markup --------------------------------------------------------------------------------
-    def stream_url(self, ws_base: str, ticket: str) -> str:
-        return f"{ws_base}/{ticket}"
-
     def answer_stream(self, stream_url: str, params: Mapping[str, str], facts: CallFacts) -> Reply:
         return Reply(twiml.connect_stream(stream_url, params), XML)
 

@@ -26,14 +26,11 @@ __all__ = ["VonageSettings", "make_carrier"]
 
 def make_carrier(service: Any, settings: VonageSettings | None = None) -> VonageCarrier:
     """The Vonage carrier for `service` (a personaplex_phone PhoneService)."""
+    from personaplex_phone.carrier_kit import with_publisher
+
     from .carrier import VonageCarrier
 
-    carrier: VonageCarrier
-
-    def publish(reply: Any, base: str) -> str:
-        return service.publish(carrier, reply, base)
-
-    carrier = VonageCarrier(
-        settings or VonageSettings(), service.rest.send, publish, service.settings.validate_signatures
+    chosen, validate = settings or VonageSettings(), service.settings.validate_signatures
+    return with_publisher(
+        service, lambda publish: VonageCarrier(chosen, service.rest.send, publish, validate)
     )
-    return carrier

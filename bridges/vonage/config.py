@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from personaplex_phone.config import CarrierSettings, carrier_config
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from personaplex_voice.errors import UserError
 
 
-class VonageSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PERSONAPLEX_VONAGE_", extra="ignore", populate_by_name=True)
+class VonageSettings(CarrierSettings):
+    model_config = carrier_config("PERSONAPLEX_VONAGE_")
 
     # Signed webhooks: the account's signature secret (Dashboard > API settings), HS256 key of
     # the JWT in each webhook's Authorization header.
@@ -30,7 +30,6 @@ class VonageSettings(BaseSettings):
     max_token_age_s: float = Field(300.0, gt=0, le=3600)
     # The WebSocket's audio, both ways: L16 at 16 kHz (wideband, the default) or 8 kHz.
     sample_rate: Literal[8000, 16000] = 16000
-    dev_skip_signature: bool = False
 
     def private_key_pem(self) -> str:
         value = self.private_key.get_secret_value().strip()
@@ -42,11 +41,11 @@ class VonageSettings(BaseSettings):
         return value.replace("\\n", "\n")
 
     def check(self, validate: bool) -> None:
-        if validate and not self.dev_skip_signature and not self.signature_secret.get_secret_value():
-            raise UserError(
-                "the Vonage carrier needs VONAGE_SIGNATURE_SECRET to check signed webhooks (turn on "
-                "signed webhooks for the application; for local development only: "
-                "PERSONAPLEX_VONAGE_DEV_SKIP_SIGNATURE=1)"
-            )
+        self.require_secret(
+            validate,
+            bool(self.signature_secret.get_secret_value()),
+            "the Vonage carrier needs VONAGE_SIGNATURE_SECRET to check signed webhooks (turn on "
+            "signed webhooks for the application)",
+        )
         if self.private_key.get_secret_value():
             self.private_key_pem()

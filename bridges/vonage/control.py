@@ -13,18 +13,17 @@ Requests are built here and sent by the phone call's HTTP client: no socket in t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from personaplex_phone import carrier as phone
-from personaplex_phone.carrier import CallHandle, Outcome, Reply, RestRequest, SendRequest
+from personaplex_phone.carrier import CallHandle, Outcome, Publish, Reply, RestRequest, SendRequest
 from personaplex_phone.urls import websocket_base
 
 from . import ncco, signatures
 from .config import VonageSettings
 from .wire import CALL_ID_HEADER
 
-Publish = Callable[[Reply, str], str]
 MEDIA_PATH = "/vonage/media-stream"
 
 
@@ -44,12 +43,8 @@ class VonageControl:
             return Outcome(False, "no VONAGE_APPLICATION_ID/VONAGE_PRIVATE_KEY")
         token = signatures.application_token(self.settings.application_id, self.settings.private_key_pem())
         url = f"{self.settings.api_url.rstrip('/')}/v1/calls/{call.call_id}"
-        answer = await self._send(
-            RestRequest("PUT", url, headers={"Authorization": f"Bearer {token}"}, json=body)
-        )
-        return (
-            Outcome(True) if answer.ok else Outcome(False, f"Vonage answered {answer.status or answer.error}")
-        )
+        request = RestRequest("PUT", url, headers={"Authorization": f"Bearer {token}"}, json=body)
+        return (await self._send(request)).outcome("Vonage")
 
     async def hang_up(self, call: CallHandle) -> Outcome:
         return await self._put(call, {"action": "hangup"})

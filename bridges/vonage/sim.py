@@ -12,31 +12,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 import time
-import uuid
 from urllib.parse import urlencode
 
 import jwt
+from personaplex_phone.sim_sides import SideDefaults, secret, with_query
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 
 from .wire import audio_format
 
 
-class VonageSide:
+class VonageSide(SideDefaults):
     name = "vonage"
-    chunk_ms = 20
-    marks_on_clear = False
-    ends_by_close = True
 
     def __init__(self, signature_secret: str, api_key: str = "abcd1234"):
         self.secret = signature_secret
         self.api_key = api_key
-
-    @staticmethod
-    def new_call_id() -> str:
-        return str(uuid.uuid4())
 
     def token(self, body: bytes = b"") -> str:
         claims = {
@@ -58,7 +50,7 @@ class VonageSide:
             "uuid": call_id,
             "conversation_uuid": "CON-" + call_id,
         }
-        path = "/vonage/answer?" + urlencode(values) + (f"&{query}" if query else "")
+        path = with_query("/vonage/answer?" + urlencode(values), query, "&")
         return HttpRequest("GET", path, {"Authorization": f"Bearer {self.token()}"})
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
@@ -73,9 +65,6 @@ class VonageSide:
         headers = {k: str(v) for k, v in endpoint.get("headers", {}).items()}
         return StreamOffer(call_id, endpoint["uri"], headers, fmt, fmt)
 
-    def upgrade(self, offer: StreamOffer, public_url: str) -> tuple[str, dict[str, str]]:
-        return offer.url, {}
-
     def opening(self, offer: StreamOffer, stream_id: str) -> list[str | bytes]:
         rate = offer.inbound.rate
         return [
@@ -84,18 +73,10 @@ class VonageSide:
             )
         ]
 
-    def media(self, offer: StreamOffer, stream_id: str, payload: bytes, chunk: int, ms: int) -> bytes:
-        return payload
-
     def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
         return json.dumps({"event": "websocket:dtmf", "digit": digit, "duration": 260})
 
-    def stop(self, offer: StreamOffer, stream_id: str) -> None:
-        return None
-
-    def read(self, message: str | bytes) -> Ours:
-        if isinstance(message, bytes):
-            return Ours("media", message)
+    def read_text(self, message: str) -> Ours:
         data = json.loads(message)
         action = data.get("action")
         if action == "notify":
@@ -119,7 +100,5 @@ class VonageSide:
 
 
 def side(signature_secret: str | None = None) -> VonageSide:
-    secret = signature_secret or os.environ.get("VONAGE_SIGNATURE_SECRET", "")
-    if not secret:
-        raise ValueError("the Vonage simulator signs like Vonage: set VONAGE_SIGNATURE_SECRET (the server's)")
-    return VonageSide(secret)
+    why = "the Vonage simulator signs like Vonage: set VONAGE_SIGNATURE_SECRET (the server's)"
+    return VonageSide(secret(signature_secret, "VONAGE_SIGNATURE_SECRET", why))

@@ -18,7 +18,6 @@ from personaplex_phone import wire_json as j
 from personaplex_phone.carrier import (
     CLOSE_INVALID_DATA,
     AudioFormat,
-    CallerMedia,
     Digit,
     MarkPlayed,
     ProtocolError,
@@ -31,9 +30,8 @@ _RESERVED = {"event", "content-type", "headers"}
 
 
 def audio_format(content_type: str) -> AudioFormat:
-    kind, _, rest = content_type.partition(";")
-    rate = j.number(rest.strip().removeprefix("rate="))
-    if kind.strip().lower() != "audio/l16" or rate not in (8000, 16000):
+    kind, rate = j.content_type_rate(content_type)
+    if kind != "audio/l16" or rate not in (8000, 16000):
         raise ProtocolError(f"Vonage content-type {content_type!r} is not supported here", CLOSE_INVALID_DATA)
     return AudioFormat("l16", rate, big_endian=False)
 
@@ -44,13 +42,9 @@ class VonageWire:
         self.format = AudioFormat("l16", 16000)
 
     def parse(self, raw: Mapping[str, Any]) -> StreamEvent | None:
-        data = raw.get("bytes")
-        if raw.get("text") is None and data is not None:
-            if not self.started:
-                raise ProtocolError("audio before `websocket:connected`")
-            if len(data) % 2:
-                raise ProtocolError("L16 audio must hold whole 2-byte samples", CLOSE_INVALID_DATA)
-            return CallerMedia(bytes(data))
+        media = j.binary_l16(raw, self.started, "audio before `websocket:connected`")
+        if media is not None:
+            return media
         message = j.json_message(raw)
         event = message["event"]
         if event == "websocket:connected":

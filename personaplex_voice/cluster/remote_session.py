@@ -44,7 +44,7 @@ ENGINE_LOST = "engine_lost"
 class RemoteSessionConfig:
     """What a remote session needs of its host's settings."""
 
-    realtime: bool  # audio pushed before the session is ready is dropped, as an embedded one does
+    realtime: bool  # the workers tick on an 80 ms clock (the host's `realtime`)
     output_frames: int  # output queue bound
     max_input_samples: int  # input backlog bound
 
