@@ -480,6 +480,12 @@ def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes:
         )
         for r in admitted
     }
+    by_reason: dict[str, float] = {}
+    for metrics in records.values():
+        for key in ("dropped_ms", "inserted_ms"):
+            for reason, ms in (metrics.get(key) or {}).items():
+                name = f"{key.removesuffix('_ms')}:{reason}"
+                by_reason[name] = by_reason.get(name, 0.0) + ms
     first_refusal = min((r["offered_at"] for r in refusals), default=None)
     return {
         "message_ms": message_ms,
@@ -499,6 +505,7 @@ def ramp(message_ms: int, rate: float, hold_s: float, max_calls: int, processes:
         "server_cpu_ms_per_call_second": round(1000 * cpu / call_seconds, 2) if call_seconds else None,
         "server_dropped_or_inserted_ms": round(sum(slips.values())),
         "calls_with_slips": sum(ms > 0 for ms in slips.values()),
+        "slips_ms_by_reason": {k: round(v) for k, v in sorted(by_reason.items())},
         "readyz_at_end": {k: ready.get(k) for k in ("status", "active")}
         | {"headroom": ready.get("headroom")},
         "closed_early": sum(r["closed_early"] for r in admitted),
