@@ -43,11 +43,12 @@ from support_abuse import (  # noqa: E402
     attack,
     bomb_message,
     frame_gaps,
-    process_cpu_s,
     process_rss_bytes,
     reject_flood_messages,
 )
 from support_server import chat, echo_similarity, running_server  # noqa: E402
+
+from personaplex_voice.cluster.procs import cpu_seconds as process_cpu_s  # noqa: E402
 
 SR = 24000
 ATTACK_AFTER_S = 1.5

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 import time
@@ -37,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support_server import running_server  # noqa: E402
+
+from personaplex_voice.cluster.procs import cpu_seconds as process_cpu_s  # noqa: E402
 
 SR = 24000
 FRAME = 1920
@@ -143,15 +144,6 @@ async def run_round(server, audio: np.ndarray, clients: int) -> list[dict]:
     offsets = [i * 7 * FRAME for i in range(clients)]
     url = server.ws_url + "/api/chat?text_prompt=bench"
     return await asyncio.gather(*(one_client(url, audio, o) for o in offsets))
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(server, audio: np.ndarray, clients: int) -> dict:

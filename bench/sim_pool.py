@@ -8,10 +8,13 @@ puts its rows on a queue. `bench/twilio_load.py` and `bench/phone_load.py` use t
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from personaplex_voice.cluster.procs import cpu_seconds
+
+__all__ = ["cpu_seconds", "deal", "rss_mib", "run_workers"]
 
 
 def deal(items: Sequence[Any], processes: int) -> list[list[Any]]:
@@ -39,12 +42,6 @@ def run_workers(
             if proc.is_alive():
                 proc.kill()
     return rows
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:

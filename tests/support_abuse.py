@@ -5,7 +5,7 @@ bench/abuse.py.
                               120 ms of audio (~10,000 s in all; 1 GB once decoded)
     reject_flood_message()    the same size of pages whose packets libopus rejects
     await attack(url, msgs)   sends them on one connection; says whether and how it was refused
-    process_cpu_s(pid), process_rss_bytes(pid)   from /proc
+    process_rss_bytes(pid)   from /proc (CPU time: personaplex_voice.cluster.procs.cpu_seconds)
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -122,12 +121,6 @@ async def abrupt_disconnect(url: str) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(ws.recv(), 10)
         ws.transport.abort()
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_rss_bytes(pid: int) -> int:

@@ -18,11 +18,12 @@ from support_abuse import (
     attack,
     bomb_message,
     frame_gaps,
-    process_cpu_s,
     process_rss_bytes,
     reject_flood_messages,
 )
 from support_server import chat, echo_similarity, running_server
+
+from personaplex_voice.cluster.procs import cpu_seconds as process_cpu_s
 
 SR = 24000
 ATTACK_CPU_S = 0.100
