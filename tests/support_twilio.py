@@ -622,6 +622,7 @@ def bridge_harness(
     from personaplex_twilio import mount
     from personaplex_twilio.config import TwilioSettings
 
+    from personaplex_voice.engine.headroom import DISABLED
     from personaplex_voice.engine.loopback import LoopbackEngine
     from personaplex_voice.process.settings import ServerSettings
     from personaplex_voice.server.app import create_app
@@ -629,7 +630,8 @@ def bridge_harness(
 
     personas = tmp_path / "personas.yaml"
     personas.write_text(personas_yaml)
-    options = {"idle_timeout_s": None, **(manager_options or {})}
+    # Admission by slots only unless a test asks for the headroom policy (conftest.py says why).
+    options = {"idle_timeout_s": None, "headroom": DISABLED, **(manager_options or {})}
     manager = SessionManager(engine or LoopbackEngine(num_slots=2), **options)
     app = create_app(ServerSettings(engine="echo", tune_runtime=False), host=manager)
     cloud = FakeTwilioCloud()

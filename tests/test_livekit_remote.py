@@ -97,7 +97,8 @@ async def test_default_agent_session_plays_the_echo_text_in_order_and_calls_the_
 async def test_the_callers_first_words_reach_the_model(server, speech):
     """What the caller says while the session connects and its prompt is prefilled is heard:
     with LiveKit's AEC warm-up off (docs/livekit.md) the echo starts with the first word."""
-    before = server.manager.metrics.jitter_dropped_frames.value
+    metrics = server.manager.metrics
+    trimmed, late = metrics.jitter_dropped_frames.value, metrics.late_frames.value
     model = DuplexModel(server.ws_url)
     run = await run_agent(
         AgentSession(llm=model, aec_warmup_duration=None), Agent(instructions="hi"), speech, SR
@@ -107,7 +108,9 @@ async def test_the_callers_first_words_reach_the_model(server, speech):
     played = run.played()
     assert window_found(speech[LEAD : LEAD + SR // 5], played, search=SR) >= 0.8
     assert echo_similarity(speech, played) >= 0.8
-    assert server.manager.metrics.jitter_dropped_frames.value == before
+    # Only what the jitter buffer trims after a late tick (a busy machine's): never the burst
+    # the plugin flushed after the handshake.
+    assert metrics.jitter_dropped_frames.value - trimmed <= metrics.late_frames.value - late
 
 
 async def test_a_refusal_ends_the_session_without_retrying(server, speech):

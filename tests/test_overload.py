@@ -63,6 +63,7 @@ PERSONAS = "default: desk\npersonas:\n  desk: {text_prompt: 'You answer the phon
 MEDIA_DELAY_S = 0.005  # per caller message: 250 ms of every second, per call
 SETTLE_S = 2.2  # between two calls: the new one's load is measured (HeadroomConfig.settle_s)
 WARNING_TEXT = "to keep the frame clock"
+POLICY = {"headroom": HeadroomConfig()}  # the documented levels (the harness has none)
 
 
 @pytest.fixture(autouse=True)
@@ -188,7 +189,9 @@ async def test_a_server_short_of_time_answers_new_calls_busy_and_its_calls_stay_
     /api/chat's upgrade gets 503 `saturated` (Retry-After), /readyz says `saturated`; every
     admitted call's audio comes back clean, second by second; once the calls end, /readyz is
     ready again."""
-    with bridge_harness(PERSONAS, tmp_path, engine=LoopbackEngine(num_slots=8)) as harness:
+    with bridge_harness(
+        PERSONAS, tmp_path, engine=LoopbackEngine(num_slots=8), manager_options=POLICY
+    ) as harness:
         slow_media(harness, MEDIA_DELAY_S)
         async with contextlib.AsyncExitStack() as calls:
             callers: list[Caller] = []
@@ -253,7 +256,9 @@ async def test_calls_that_could_not_keep_a_clean_line_are_counted_per_call_and_w
     keep the clock are counted per call (its record, the /calls live view), in /metrics by
     reason, and each call logs one WARNING with the count when it ends."""
     caplog.set_level("INFO")
-    with bridge_harness(PERSONAS, tmp_path, engine=LoopbackEngine(num_slots=4)) as harness:
+    with bridge_harness(
+        PERSONAS, tmp_path, engine=LoopbackEngine(num_slots=4), manager_options=POLICY
+    ) as harness:
         knob = slow_media(harness, 0.0)
         async with contextlib.AsyncExitStack() as calls:
             callers = []

@@ -36,6 +36,7 @@ def test_serve_flags_and_env_reach_the_settings(monkeypatch, tmp_path):
     run_server = server_run.run
     monkeypatch.setattr(server_run, "run", captured.append)
     monkeypatch.setenv("PERSONAPLEX_IDLE_TIMEOUT_S", "0")
+    monkeypatch.delenv("PERSONAPLEX_SATURATION", raising=False)  # (conftest turns it off)
     monkeypatch.setenv("PERSONAPLEX_MAX_CALL_S", "99")
     cli = typer.Typer()
     cli.command()(serve_command.serve)
