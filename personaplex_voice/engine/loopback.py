@@ -142,7 +142,9 @@ class LoopbackEngine:
         with self._counts_lock:
             self.restores += 1
 
-    def step(self, pcm: np.ndarray, active: np.ndarray) -> StepOutput:
+    def checked_batch(self, pcm: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A step's inputs as arrays of this engine's batch shape, every active slot started
+        (else the engine's errors, before any slot changes)."""
         pcm = np.asarray(pcm, np.float32)
         active = np.asarray(active, bool)
         if pcm.shape != (self.num_slots, FRAME_SIZE) or active.shape != (self.num_slots,):
@@ -153,6 +155,10 @@ class LoopbackEngine:
         unstarted = [int(slot) for slot in np.flatnonzero(active) if self._persona[slot] is None]
         if unstarted:
             raise SlotError(f"slot(s) {unstarted} active but never started", unstarted)
+        return pcm, active
+
+    def step(self, pcm: np.ndarray, active: np.ndarray) -> StepOutput:
+        pcm, active = self.checked_batch(pcm, active)
         out = np.zeros((self.num_slots, FRAME_SIZE), np.float32)
         text: list[str | None] = [None] * self.num_slots
         for slot in np.flatnonzero(active):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, EngineError, Persona, SlotError, StepOutput
+from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, Persona, StepOutput
 from personaplex_voice.engine.loopback import LoopbackEngine
 
 
@@ -94,16 +94,7 @@ class ScriptedEngine(LoopbackEngine):
         self._turns[slot] = turns
 
     def step(self, pcm: np.ndarray, active: np.ndarray) -> StepOutput:
-        pcm = np.asarray(pcm, np.float32)
-        active = np.asarray(active, bool)
-        if pcm.shape != (self.num_slots, FRAME_SIZE) or active.shape != (self.num_slots,):
-            raise EngineError(
-                f"step wants pcm [{self.num_slots}, {FRAME_SIZE}] and active [{self.num_slots}], "
-                f"got {pcm.shape} and {active.shape}"
-            )
-        unstarted = [int(s) for s in np.flatnonzero(active) if not self.slot_in_use(int(s))]
-        if unstarted:
-            raise SlotError(f"slot(s) {unstarted} active but never started", unstarted)
+        pcm, active = self.checked_batch(pcm, active)
         out = np.zeros((self.num_slots, FRAME_SIZE), np.float32)
         text: list[str | None] = [None] * self.num_slots
         for slot in np.flatnonzero(active):
