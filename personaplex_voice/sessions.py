@@ -45,6 +45,7 @@ from personaplex_voice.engine.persona_cache import PersonaCache
 from personaplex_voice.engine.scheduler import (
     FRAME_SECONDS,
     Clock,
+    RecordReadout,
     ScheduledSession,
     Scheduler,
     SchedulerConfig,
@@ -267,7 +268,7 @@ class SessionStream:
         self._waiters.clear()
 
 
-class Session:
+class Session(RecordReadout):
     """One conversation on this process's engine (a `session_api.CallSession`). Made by
     `SessionManager.open`; its state is the scheduler's `SessionRecord`, read here."""
 
@@ -286,29 +287,8 @@ class Session:
         return self._record
 
     @property
-    def state(self) -> SessionState:
-        return self._record.state
-
-    @property
-    def closed(self) -> bool:
-        return self._record.closed
-
-    @property
-    def ready_now(self) -> bool:
-        """True while the session is being stepped."""
-        return self._record.state is SessionState.RUNNING
-
-    @property
     def slot(self) -> int | None:
         return self._record.slot
-
-    @property
-    def queue_position(self) -> int | None:
-        return self._record.queue_position
-
-    @property
-    def close_reason(self) -> str | None:
-        return self._record.close_reason
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from personaplex_voice.engine.base import (
     Persona,
     PersonaError,
 )
-from personaplex_voice.engine.scheduler import SessionRecord, SessionState
+from personaplex_voice.engine.scheduler import RecordReadout, SessionRecord, SessionState
 from personaplex_voice.session_api import OutFrame, SessionClosed, clock_slips, pushed_samples
 
 ENGINE_LOST = "engine_lost"
@@ -49,7 +49,7 @@ class RemoteSessionConfig:
     max_input_samples: int  # input backlog bound
 
 
-class RemoteSession:
+class RemoteSession(RecordReadout):
     """One conversation on an engine worker (see the module docstring)."""
 
     def __init__(
@@ -90,26 +90,6 @@ class RemoteSession:
     @property
     def record(self) -> SessionRecord:
         return self._record
-
-    @property
-    def state(self) -> SessionState:
-        return self._record.state
-
-    @property
-    def closed(self) -> bool:
-        return self._record.closed
-
-    @property
-    def ready_now(self) -> bool:
-        return self._record.state is SessionState.RUNNING
-
-    @property
-    def queue_position(self) -> int | None:
-        return self._record.queue_position
-
-    @property
-    def close_reason(self) -> str | None:
-        return self._record.close_reason
 
     @property
     def worker_id(self) -> str | None:

@@ -15,6 +15,7 @@ from personaplex_voice.engine.scheduler.clock import Clock, MonotonicClock
 from personaplex_voice.engine.scheduler.config import FRAME_SECONDS, SchedulerConfig, default_max_input_s
 from personaplex_voice.engine.scheduler.core import PREFILL_STARVE_TICKS, Scheduler
 from personaplex_voice.engine.scheduler.records import (
+    RecordReadout,
     ScheduledSession,
     SessionRecord,
     SessionState,
@@ -30,6 +31,7 @@ __all__ = [
     "PREFILL_STARVE_TICKS",
     "Clock",
     "MonotonicClock",
+    "RecordReadout",
     "ScheduledSession",
     "Scheduler",
     "SchedulerConfig",

@@ -217,6 +217,34 @@ class SessionRecord:
         return f"<{type(self).__name__} {self.id} {self._state.value} slot={self._slot}>"
 
 
+class RecordReadout:
+    """What a session handle (embedded or remote) says of its state: read off the record its
+    host owns, never kept beside it."""
+
+    _record: SessionRecord
+
+    @property
+    def state(self) -> SessionState:
+        return self._record.state
+
+    @property
+    def closed(self) -> bool:
+        return self._record.closed
+
+    @property
+    def ready_now(self) -> bool:
+        """True while the session is being stepped."""
+        return self._record.state is SessionState.RUNNING
+
+    @property
+    def queue_position(self) -> int | None:
+        return self._record.queue_position
+
+    @property
+    def close_reason(self) -> str | None:
+        return self._record.close_reason
+
+
 class ScheduledSession(SessionRecord):
     """An embedded session as the scheduler holds it: its state, its prepared persona (dropped
     once closed, so its tensors do not outlive the call) and its stream."""
