@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -399,11 +400,29 @@ class AppServer:
 
 
 @contextlib.contextmanager
+def uvicorn_thread(server: Any, name: str = "uvicorn-test") -> Iterator[None]:
+    """Run a `uvicorn.Server` in a thread with its own event loop until the block ends (an error
+    if it has not started within 30 s)."""
+    import threading
+
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("in-process uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+@contextlib.contextmanager
 def serving_app(manager, **settings) -> Iterator[AppServer]:
     """`create_app(ServerSettings(**settings), manager)` served by uvicorn on a free port, with
     the HTTP guard and WebSocket classes `personaplex-voice serve` runs with."""
-    import threading
-
     import uvicorn
 
     from personaplex_voice.process.settings import ServerSettings
@@ -413,17 +432,6 @@ def serving_app(manager, **settings) -> Iterator[AppServer]:
     options = {"engine": "echo", "tune_runtime": False, "log_level": "warning", **settings}
     config_settings = ServerSettings(host="127.0.0.1", port=free_port(), **options)
     app = create_app(config_settings, host=manager)
-    server = uvicorn.Server(uvicorn_config(config_settings, app))
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("in-process uvicorn did not start")
-        time.sleep(0.02)
     port = config_settings.port
-    try:
+    with uvicorn_thread(uvicorn.Server(uvicorn_config(config_settings, app))):
         yield AppServer(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", app, manager)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)

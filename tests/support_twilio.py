@@ -469,34 +469,18 @@ class InProcessServer:
     url: str
     app: Any
     server: Any
-    thread: Any
 
 
 @contextlib.contextmanager
 def running_app(app: Any) -> Any:
     """Serve `app` with a real uvicorn on a free port, in a thread with its own event loop."""
-    import socket
-    import threading
-
     import uvicorn
+    from support_server import free_port, uvicorn_thread
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("in-process uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield InProcessServer(f"http://127.0.0.1:{port}", app, server, thread)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    with uvicorn_thread(server, name=f"uvicorn-{port}"):
+        yield InProcessServer(f"http://127.0.0.1:{port}", app, server)
 
 
 def speechlike(seconds: float, seed: int, rate: int = RATE) -> np.ndarray:
