@@ -57,6 +57,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def openssl_pair(folder: Path, common_name: str) -> None:
+    """A certificate and key the way a user would bring them (`openssl req -x509`): cert.pem and
+    key.pem in `folder`, valid for a day."""
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *(
+                "-subj",
+                f"/CN={common_name}",
+                "-keyout",
+                str(folder / "key.pem"),
+                "-out",
+                str(folder / "cert.pem"),
+            ),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
 def insecure_ssl_context():
     """Trusts any certificate: for servers started with a self-signed `--ssl` directory."""
     import ssl

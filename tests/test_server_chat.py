@@ -4,14 +4,13 @@ through sphn's Ogg-Opus writer/reader as Moshi clients use it."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 
 import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from support_server import chat, echo_similarity, running_server, stop_server
+from support_server import chat, echo_similarity, openssl_pair, running_server, stop_server
 
 SR = 24000
 
@@ -224,26 +223,7 @@ def test_shutdown_ends_calls_in_words():
 
 
 def test_ssl_serves_https_and_wss(tmp_path):
-    subprocess.run(
-        [
-            *(
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=localhost",
-            ),
-            *("-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    openssl_pair(tmp_path, "localhost")
     with running_server("--max-sessions", "1", "--ssl", str(tmp_path)) as srv:
         assert srv.url.startswith("https://")
         with httpx.Client(base_url=srv.url, verify=False) as client:

@@ -18,7 +18,7 @@ import pytest
 import soundfile as sf
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from support_server import ROOT, chat, echo_similarity, running_server
+from support_server import ROOT, chat, echo_similarity, openssl_pair, running_server
 
 from personaplex_voice.errors import UserError
 from personaplex_voice.process import tls
@@ -53,26 +53,7 @@ def test_the_certificate_names_this_host_and_its_key_is_private(tmp_path):
 
 
 def test_a_pair_the_user_brings_is_used_as_it_is(tmp_path):
-    subprocess.run(
-        [
-            *(
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=myhost",
-            ),
-            *("-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    openssl_pair(tmp_path, "myhost")
     before = (tmp_path / "cert.pem").read_bytes(), (tmp_path / "key.pem").read_bytes()
     found = tls.ensure_certificate(tmp_path)
     assert not found.created and not found.self_signed_here
