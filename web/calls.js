@@ -157,6 +157,11 @@ async function select(sid, live) {
   state.audioReady = false;
   $("transcript").textContent = "";
   $("player-row").hidden = true;
+  // The last call's recording may still be loading: its canplay must not count for this one.
+  const player = $("player");
+  player.oncanplay = null;
+  player.removeAttribute("src");
+  player.load();
   if (recordingUrl) URL.revokeObjectURL(recordingUrl);
   recordingUrl = null;
   $("detail").hidden = false;
@@ -223,7 +228,8 @@ async function loadRecording(current) {
   recordingUrl = url;
   const player = $("player");
   player.oncanplay = () => {
-    if (player.src === url && Number.isFinite(player.duration)) state.audioReady = true;
+    const stillShown = selected === current && player.src === url;
+    if (stillShown && Number.isFinite(player.duration)) state.audioReady = true;
   };
   player.src = url;
   $("player-row").hidden = false;
