@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sim_pool import cpu_seconds, deal, rss_mib, run_workers
+from sim_pool import cpu_seconds, deal, paced, rss_mib, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -107,12 +107,7 @@ async def _stream_calls(
         await asyncio.sleep(max(0.0, start_at - time.time()))
         async with sim.stream(offer) as call:
             t0 = time.monotonic()
-            for n in range(round(seconds / period)):
-                if call.closed.is_set():
-                    break
-                delay = t0 + n * period - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            async for n, _ in paced(t0, period, call.closed.is_set, round(seconds / period)):
                 await call.send_payload(payloads[n % len(payloads)])
             closed_early = call.closed.is_set()  # the server ended it before the caller did
         late = sum(p.late for p in call.played if p.arrival - t0 > LATE_AFTER_S)
@@ -142,12 +137,7 @@ async def _audiosocket_calls(
         async with sim.audiosocket_call(call_uuid, rate=AUDIOSOCKET_RATE) as call:
             t0 = time.monotonic()
             call.late_after = t0 + LATE_AFTER_S
-            for n in range(round(seconds / 0.020)):
-                if call.closed.is_set():
-                    break
-                delay = t0 + n * 0.020 - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            async for n, _ in paced(t0, 0.020, call.closed.is_set, round(seconds / 0.020)):
                 await call.send_chunk(payloads[n % len(payloads)])
             closed_early = call.closed.is_set()
         return {"late": call.late, "messages": call.received_messages, "closed_early": closed_early}

@@ -1,4 +1,5 @@
-"""What the phone benchmarks share: simulated callers in worker processes, and a server's CPU.
+"""What the phone benchmarks share: simulated callers in worker processes, their real-time send
+clock, and a server's CPU.
 
 The simulators share the machine with the server they measure, so they run outside its process
 (spawned workers, each its own event loop and GIL); each worker gets its share of the calls and
@@ -7,14 +8,16 @@ puts its rows on a queue. `bench/twilio_load.py` and `bench/phone_load.py` use t
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from personaplex_voice.cluster.procs import cpu_seconds
 
-__all__ = ["cpu_seconds", "deal", "rss_mib", "run_workers"]
+__all__ = ["cpu_seconds", "deal", "paced", "rss_mib", "run_workers"]
 
 
 def deal(items: Sequence[Any], processes: int) -> list[list[Any]]:
@@ -42,6 +45,21 @@ def run_workers(
             if proc.is_alive():
                 proc.kill()
     return rows
+
+
+async def paced(
+    start: float, period_s: float, stop: Callable[[], bool], count: int | None = None
+) -> AsyncIterator[tuple[int, float]]:
+    """A simulated caller's send clock: tick n falls `n * period_s` after `start` (monotonic), on
+    a fixed grid, so one late send does not shift the rest. Yields (n, seconds the tick came
+    late, 0 when on time) until `count` ticks or `stop()`, checked before each tick."""
+    n = 0
+    while (count is None or n < count) and not stop():
+        delay = start + n * period_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield n, max(0.0, -delay)
+        n += 1
 
 
 def rss_mib(pid: int) -> float:

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from sim_pool import cpu_seconds, deal, run_workers
+from sim_pool import cpu_seconds, deal, paced, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -210,12 +210,7 @@ def worker(base_url: str, seconds: float, starts: list[float], results: mp.Queue
         await asyncio.sleep(max(0.0, start_at - time.time()))
         async with sim.media_stream(url, params, call_sid=call_sid) as call:
             t0 = time.monotonic()
-            for n in range(round(seconds / 0.020)):
-                if call.closed.is_set():
-                    break
-                delay = t0 + n * 0.020 - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            async for n, _ in paced(t0, 0.020, call.closed.is_set, round(seconds / 0.020)):
                 await call.send_media(payloads[n % len(payloads)])
         arrivals = np.array([p.arrival for p in call.played])
         # Late frames mid-call only: the first second is the call's start (prefill, priming).
@@ -383,15 +378,16 @@ def ramp_worker(base_url: str, hold_s: float, shared: tuple, plan: list[float], 
         async with sim.media_stream(url, params, call_sid=call_sid) as call:
             call.keep_sent = True
             t0, started = time.monotonic(), time.time()
-            n = late_sends = 0
-            while time.time() < end_at.value and not call.closed.is_set():
-                delay = t0 + n * 0.020 - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                elif delay < -0.030:  # this simulator itself is late: no server's doing
+            sent = late_sends = 0
+
+            def over() -> bool:
+                return time.time() >= end_at.value or call.closed.is_set()
+
+            async for n, late_s in paced(t0, 0.020, over):
+                if late_s > 0.030:  # this simulator itself is late: no server's doing
                     late_sends += 1
                 await call.send_media(payloads[n % len(payloads)])
-                n += 1
+                sent += 1
         quality = echo_quality(ulaw_decode(bytes(call.sent)), call.played_audio())
         bad = [
             k
@@ -403,7 +399,7 @@ def ramp_worker(base_url: str, hold_s: float, shared: tuple, plan: list[float], 
             "call_sid": call_sid,
             "offered_at": offered_at,
             "started_at": started,
-            "seconds": n * 0.020,
+            "seconds": sent * 0.020,
             "judged_seconds": len(quality.correlations),
             "clean": quality.clean(),
             "min_correlation": round(min(quality.correlations, default=0.0), 3),
