@@ -37,10 +37,10 @@ class TwilioSettings(PhoneSettings):
     # instead of hearing `busy_message`: an http(s) URL of your TwiML (another site, a queue, a
     # voicemail), or TwiML text.
     busy_twiml: str = ""
-    # Our audio to Twilio in media messages of this many ms (20, 40, 60 or 80). 40 costs the
-    # server ~11 % less CPU per call than Twilio's own 20 (half the outbound WebSocket messages;
-    # marks still follow every 80 ms frame) and keeps what Twilio holds of ours (the cushion and
-    # one message: 80 ms) under the 100 ms barge-in bound, which 80 would not (docs/capacity.md).
+    # Our audio to Twilio in media messages of this many ms (20, 40, 60 or 80). 40 halves our
+    # outbound WebSocket messages against Twilio's own 20 (marks still follow every frame) and
+    # keeps what Twilio holds of ours (the cushion and one message) within the barge-in bound,
+    # which 80 would not; docs/capacity.md has the measurements.
     message_ms: int = Field(40, ge=20, le=80, multiple_of=20)
 
     @field_validator("engine_lost_twiml", "busy_twiml")
