@@ -476,6 +476,9 @@ class PersonaPlexLLMService(LLMService):
         at = time.time() - (self._speech.position_s - edge.at_s)
         if edge.kind == "started":
             self.stats["caller_speech"] += 1
+            if not self._tracker.speaking:  # the agent's turn is not due while the caller talks
+                await self.cancel_ttfb_metrics()
+                self._processing = False
             if not self._pipeline_vad:
                 await self.broadcast_frame(
                     VADUserStartedSpeakingFrame, start_secs=edge.confirmed_s, timestamp=at
