@@ -70,4 +70,3 @@ def test_playout_gate_keeps_one_frame_ahead() -> None:
 def test_playout_gate_off() -> None:
     gate = PlayoutGate(None, clock=FakeClock())
     assert all(gate.admit(0.08) for _ in range(50))
-

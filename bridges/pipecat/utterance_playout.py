@@ -117,4 +117,3 @@ class PlayoutGate:
     def reset(self) -> None:
         """Downstream dropped its queue (an interruption): nothing is waiting any more."""
         self._playout_end = 0.0
-
