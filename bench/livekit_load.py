@@ -4,7 +4,7 @@
     .venv/bin/python bench/livekit_load.py [--sessions 4 8] [--seconds 10]
 
 Starts `personaplex-voice serve --engine echo` (a subprocess, so this process's CPU is the
-clients' alone). Each round runs N callers at once for `--seconds` of speech, three times:
+clients' alone; its headroom refusals off). Each round runs N callers at once for `--seconds` of speech, three times:
 - `plain`: 24 kHz in 20 ms pieces through `personaplex_backends.RemoteSession` (the Ogg-Opus
   client the bridges use, no framework);
 - `livekit`: `personaplex_livekit.DuplexModel` sessions as LiveKit drives them: 48 kHz 10 ms
@@ -15,7 +15,8 @@ clients' alone). Each round runs N callers at once for `--seconds` of speech, th
   16 kHz 20 ms `InputAudioRawFrame`s in real time, its output at 16 kHz, the caller's VAD on.
 Per round: the sessions carried in real time (plain and livekit: every 80 ms frame came back and
 no two arrived more than 250 ms apart; pipecat plays only the agent's utterances, so: no
-utterance frame dropped by its playout gate), the worst gap, the time to first agent audio (from
+utterance frame dropped by its playout gate, which drops what comes in a burst: their count is
+`frames_dropped`), the worst gap, the time to first agent audio (from
 the caller's first audio to the first audible frame of the echo, median and worst over the
 sessions), and this process's CPU time per session-second of call; then each bridge's CPU over
 the plain client's. Last line: one JSON object. Not asserted anywhere.
@@ -60,6 +61,7 @@ class Result:
     carried: bool
     worst_gap_s: float
     first_audio_s: float  # the caller's first audio to the first audible frame back (inf: none)
+    dropped: int = 0  # pipecat: agent frames its playout gate dropped (they came in a burst)
 
 
 def audible(pcm: np.ndarray) -> bool:
@@ -172,6 +174,9 @@ async def pipecat_caller(url: str, audio16: np.ndarray, seconds: float) -> Resul
     await runner.add_workers(worker)
     run = asyncio.create_task(runner.run())
     while service.session is None:
+        if run.done() or not service.is_usable:  # refused: reported as not carried
+            await worker.cancel(reason="refused")
+            return Result(False, seconds, float("inf"))
         await asyncio.sleep(0.01)
     size = 320  # 20 ms at 16 kHz
     start = time.monotonic()
@@ -184,7 +189,8 @@ async def pipecat_caller(url: str, audio16: np.ndarray, seconds: float) -> Resul
     await asyncio.wait_for(run, 10)
     gaps = np.diff(sink.arrivals) if len(sink.arrivals) > 1 else np.array([seconds])
     first = sink.first - start if sink.first is not None else float("inf")
-    return Result(service.stats["frames_dropped"] == 0, float(gaps.max()), first)
+    dropped = service.stats["frames_dropped"]
+    return Result(dropped == 0, float(gaps.max()), first, dropped)
 
 
 async def round_of(kind: str, url: str, n: int, seconds: float) -> dict[str, float]:
@@ -202,6 +208,7 @@ async def round_of(kind: str, url: str, n: int, seconds: float) -> dict[str, flo
     first = sorted(r.first_audio_s for r in results)
     return {
         "carried": sum(r.carried for r in results),
+        "frames_dropped": sum(r.dropped for r in results),
         "worst_gap_ms": 1000 * max(r.worst_gap_s for r in results),
         "first_audio_ms_median": 1000 * first[len(first) // 2],
         "first_audio_ms_worst": 1000 * first[-1],
@@ -216,7 +223,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     rounds: dict[str, dict] = {}
-    with running_server("--max-sessions", str(max(args.sessions))) as server:
+    # The server's headroom policy (docs/capacity.md) would refuse callers on a busy machine:
+    # off, so that every round measures its N clients.
+    no_saturation = {"PERSONAPLEX_SATURATION": "0"}
+    with running_server("--max-sessions", str(max(args.sessions)), env=no_saturation) as server:
         url = server.ws_url + "/api/chat"
         for n in args.sessions:
             for kind in ("plain", "livekit", "pipecat"):
