@@ -4,7 +4,8 @@
     .venv/bin/python bench/livekit_load.py [--sessions 4 8] [--seconds 10]
 
 Starts `personaplex-voice serve --engine echo` (a subprocess, so this process's CPU is the
-clients' alone; its headroom refusals off). Each round runs N callers at once for `--seconds` of speech, three times:
+clients' alone; its headroom refusals off). Each round runs N callers at once for `--seconds`
+of speech, three times:
 - `plain`: 24 kHz in 20 ms pieces through `personaplex_backends.RemoteSession` (the Ogg-Opus
   client the bridges use, no framework);
 - `livekit`: `personaplex_livekit.DuplexModel` sessions as LiveKit drives them: 48 kHz 10 ms
