@@ -13,6 +13,11 @@ it says it will transfer the caller, `transfer_call` moves a phone caller (LiveK
 
 Optional: `PERSONAPLEX_API_KEY` (the server's `--api-key`), `PERSONAPLEX_VOICE` (default NATF2),
 `TRANSFER_TO` (a phone number or a sip: URI). See docs/livekit.md.
+
+The model runs on the server, which every job of every worker shares (its slots, its persona
+cache). Not in the worker: LiveKit runs each job in a process of its own (or, with the thread
+executor, on an event loop of its own), so a model loaded in the worker would be loaded once
+per job, and a `SessionManager` cannot be shared between event loops.
 """
 
 from __future__ import annotations
@@ -82,12 +87,20 @@ class Receptionist(Agent):
 server = AgentServer()
 
 
+def new_session(model: DuplexModel) -> AgentSession:
+    # The caller comes in on a SIP trunk: the phone network cancels the line's echo, and LiveKit's
+    # AEC warm-up (on by default for inbound calls) would feed the model silence instead of the
+    # caller during the agent's first 3 s of speech, its greeting (docs/livekit.md).
+    return AgentSession(llm=model, aec_warmup_duration=None)
+
+
 @server.rtc_session()
 async def entrypoint(ctx: JobContext) -> None:
     model = DuplexModel(
         voice=os.environ.get("PERSONAPLEX_VOICE", "NATF2"), actions=ACTIONS
     )  # PERSONAPLEX_URL
-    session = AgentSession(llm=model)
+    ctx.add_shutdown_callback(model.aclose)  # the job's sessions and sockets, closed with it
+    session = new_session(model)
     await session.start(room=ctx.room, agent=Receptionist())
 
 

@@ -83,7 +83,10 @@ class SessionStream:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._input = FrameBuffer(FRAME_SIZE, max_samples=config.max_input_samples)
+        # a start burst larger than the input bound (a slow prefill) is kept whole: see
+        # SchedulerConfig.start_burst_frames
+        bound = max(config.max_input_samples, config.start_burst_frames * FRAME_SIZE)
+        self._input = FrameBuffer(FRAME_SIZE, max_samples=bound)
         self._out: deque[OutFrame] = deque()
         self._input_ended = False
         self._had_input = False  # a full frame was consumed at least once
@@ -92,8 +95,10 @@ class SessionStream:
         # Input kept from before the session ran (or flushed by a client right after its
         # handshake) is a start burst: exempt from the jitter buffer, consumed by catch-up steps
         # (engine/start_burst.py; inference thread only).
+        # The burst arrives within the input bound's worth of ticks (a bridge hands over what it
+        # held right after `ready`); a longer allowance must not widen that window.
         frames = config.start_burst_frames
-        self._burst = StartBurst(frames, window_ticks=frames)
+        self._burst = StartBurst(frames, window_ticks=min(frames, config.max_input_samples // FRAME_SIZE))
         self.counts = {
             "frames_in": 0,
             "frames_out": 0,
@@ -333,8 +338,9 @@ class Session(RecordReadout):
         """Queue user audio: float32 mono 24 kHz in [-1, 1], any length. Never blocks.
 
         Audio pushed after the session ended is ignored. Audio pushed before the session is
-        ready (queued, prefilling) is kept, in order, up to the input bound (`max_input_s`): the
-        caller's first words. Beyond the bound the oldest samples go (counted, before the
+        ready (queued, prefilling) is kept, in order, up to the start-burst bound (`start_burst_s`,
+        5 s by default in realtime; at least the input bound `max_input_s`): the caller's first
+        words. Beyond the bound the oldest samples go (counted, before the
         session runs also in `dropped_pre_ready_samples`).
         Raises ValueError for audio that is not float, not 1-D or not finite.
         """

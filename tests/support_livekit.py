@@ -20,19 +20,22 @@ from livekit.agents.voice.io import AudioInput, AudioOutput, AudioOutputCapabili
 
 
 class ArrayAudioInput(AudioInput):
-    """`pcm` (float32, or int16 handed over as it is; mono at `rate`) in `frame_ms` frames, paced
-    in real time from the first one asked for (once `start_when()` is true), then silence until
-    the session ends."""
+    """`pcm` (float32, or int16 handed over as it is; at `rate`, `channels` interleaved) in
+    `frame_ms` frames, paced in real time from the first one asked for (once `start_when()` is
+    true), then silence until the session ends."""
 
-    def __init__(self, pcm: np.ndarray, rate: int, frame_ms: int = 20, start_when: Any = None) -> None:
+    def __init__(
+        self, pcm: np.ndarray, rate: int, frame_ms: int = 20, start_when: Any = None, channels: int = 1
+    ) -> None:
         super().__init__(label="ArrayAudioInput")
+        self._channels = channels
         self._start_when = start_when  # a test may hold the caller back until this says go
         if pcm.dtype == np.int16:  # a 16-bit file's own samples: handed over exactly
             self._pcm = pcm
         else:
             self._pcm = np.clip(np.round(pcm * 32768.0), -32768, 32767).astype(np.int16)
         self._rate = rate
-        self._size = rate * frame_ms // 1000
+        self._size = rate * frame_ms // 1000 * channels
         self._sent = 0
         self._start: float | None = None
         self.done = asyncio.Event()  # the whole array was handed over
@@ -42,7 +45,7 @@ class ArrayAudioInput(AudioInput):
             while self._start_when is not None and not self._start_when():
                 await asyncio.sleep(0.01)
             self._start = time.monotonic()
-        due = self._start + self._sent / self._rate
+        due = self._start + self._sent / self._channels / self._rate
         await asyncio.sleep(max(0.0, due - time.monotonic()))
         piece = self._pcm[self._sent : self._sent + self._size]
         if len(piece) < self._size:
@@ -50,7 +53,10 @@ class ArrayAudioInput(AudioInput):
             piece = np.concatenate([piece, np.zeros(self._size - len(piece), np.int16)])
         self._sent += self._size
         return rtc.AudioFrame(
-            data=piece.tobytes(), sample_rate=self._rate, num_channels=1, samples_per_channel=self._size
+            data=piece.tobytes(),
+            sample_rate=self._rate,
+            num_channels=self._channels,
+            samples_per_channel=self._size // self._channels,
         )
 
 
@@ -131,6 +137,9 @@ class AgentRun:
     text_out: RecordedTextOutput
     session: AgentSession
     errors: list[Any] = field(default_factory=list)
+    metrics: list[Any] = field(default_factory=list)  # what the session reported, in order
+    user_states: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, state)
+    closed: list[Any] = field(default_factory=list)  # the session's close event
 
     def played(self) -> np.ndarray:
         """Every segment's audio, back to back (the gaps between them are not kept)."""
@@ -149,16 +158,21 @@ async def run_agent(
     until: Any = None,
     max_s: float = 60.0,
     before_close: Any = None,
+    channels: int = 1,
 ) -> AgentRun:
-    """Start `session` with `agent` on `pcm`, fed in real time; after the input and `tail_s` of
-    silence (and `until()` when given), close the session (after `await before_close()`)."""
-    audio_in = ArrayAudioInput(pcm, rate, frame_ms)
+    """Start `session` with `agent` on `pcm` (`channels` interleaved), fed in real time; after
+    the input and `tail_s` of silence (and `until()` when given), close the session (after
+    `await before_close()`)."""
+    audio_in = ArrayAudioInput(pcm, rate, frame_ms, channels=channels)
     run = AgentRun(PlayedAudioOutput(), RecordedTextOutput(), session)
     session.input.audio = audio_in
     session.output.audio = run.audio_out
     session.output.transcription = run.text_out
     closed = asyncio.Event()
     session.on("error", run.errors.append)
+    session.on("metrics_collected", lambda ev: run.metrics.append(ev.metrics))
+    session.on("user_state_changed", lambda ev: run.user_states.append((time.monotonic(), ev.new_state)))
+    session.on("close", run.closed.append)
     session.on("close", lambda _ev: closed.set())
     await session.start(agent)
     deadline = time.monotonic() + max_s

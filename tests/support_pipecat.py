@@ -138,6 +138,7 @@ async def run_call(
     during: Callable[[CallResult], Awaitable[None]] | None = None,
     while_feeding: Callable[[], Awaitable[None]] | None = None,
     enable_metrics: bool = False,
+    worker_options: dict | None = None,
 ) -> CallResult:
     """Run one call through a real pipeline.
 
@@ -147,18 +148,23 @@ async def run_call(
     `end`: "end" queues an EndFrame after `tail_s`, "cancel" cancels the worker, "none" lets an
     error end it (the worker is cancelled after `ready_timeout_s`). `during` runs after feeding,
     before the end (to look at the live state); `while_feeding` runs alongside the feeding.
+    `worker_options` go to the PipelineWorker (e.g. its `processor_unusable_policy`).
     """
     up = Recorder(FrameDirection.UPSTREAM, name="up-recorder")
     down = Recorder(FrameDirection.DOWNSTREAM, name="down-recorder")
     worker = PipelineWorker(
         Pipeline([up, service, down]),
         params=PipelineParams(
-            audio_in_sample_rate=in_rate, audio_out_sample_rate=out_rate, enable_metrics=enable_metrics
+            audio_in_sample_rate=in_rate,
+            audio_out_sample_rate=out_rate,
+            enable_metrics=enable_metrics,
+            enable_usage_metrics=enable_metrics,
         ),
         enable_rtvi=False,
         enable_turn_tracking=False,
         idle_timeout_secs=None,
         cancel_on_idle_timeout=False,
+        **(worker_options or {}),
     )
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(worker)

@@ -35,4 +35,6 @@ async def test_the_example_worker_its_tools_and_rules(monkeypatch):
         assert tools.get_function_tool(call.name) is not None  # the agent has what the rules call
     model = DuplexModel(actions=example.ACTIONS)  # the URL from PERSONAPLEX_URL, as the worker does
     assert model.backend.url == "ws://127.0.0.1:9/api/chat"
+    # a phone line: the model hears the caller from the first moment, not silence (AEC warm-up)
+    assert example.new_session(model).options.aec_warmup_duration is None
     await model.aclose()

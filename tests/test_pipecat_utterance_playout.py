@@ -7,7 +7,6 @@ import pytest
 from personaplex_pipecat.utterance_playout import (
     Edge,
     PlayoutGate,
-    SpeechEndDetector,
     UtteranceTracker,
     level_db,
 )
@@ -71,11 +70,3 @@ def test_playout_gate_keeps_one_frame_ahead() -> None:
 def test_playout_gate_off() -> None:
     gate = PlayoutGate(None, clock=FakeClock())
     assert all(gate.admit(0.08) for _ in range(50))
-
-
-def test_speech_end_detector() -> None:
-    det = SpeechEndDetector(threshold_db=-45.0, hangover_s=0.3)
-    assert det.update(LOUD, 1.0) is None
-    assert det.update(QUIET, 1.1) is None
-    assert det.update(QUIET, 1.35) == 1.0  # quiet for 0.35 s after the last loud chunk at 1.0
-    assert det.update(QUIET, 2.0) is None  # reported once

@@ -64,7 +64,7 @@ def test_serve_flags_and_env_reach_the_settings(monkeypatch, tmp_path):
         "max_call_s": 30.0,
         "idle_timeout_s": None,  # 0 from the environment: never
         "cache_bytes": 16 << 20,
-        "start_burst_s": None,  # the session's input bound
+        "start_burst_s": None,  # the scheduler's default (5 s)
         "headroom": HeadroomConfig(),  # saturation on, the documented levels
     }
     run = CliRunner().invoke(cli, ["--voice-dir", str(weights), "--voice-prompt-dir", str(tmp_path)])

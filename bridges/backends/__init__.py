@@ -8,7 +8,9 @@ the session API, the `/api/chat` protocol and `personaplex_voice.audio`, never t
 in-process backend builds an engine through the engine factory when asked to).
 
 `EarlyAudio` holds a caller's audio while a session is being opened or reopened, so the
-caller's first words reach the model (bounded; what it drops it counts).
+caller's first words reach the model (bounded; what it drops it counts). `CallerSpeech` tells
+when the caller starts and stops talking (silero-vad on onnxruntime), for the frameworks'
+user-state and turn events.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .base import (
     SessionLost,
     SessionRefused,
 )
+from .caller_speech import CallerSpeech, CallerSpeechUnavailable, SpeechEdge
 from .early_audio import EarlyAudio
 from .inprocess import InProcessBackend, InProcessSession
 from .remote import Backoff, RemoteBackend, RemoteSession
@@ -33,6 +36,8 @@ __all__ = [
     "BackendSession",
     "BackendUnavailable",
     "Backoff",
+    "CallerSpeech",
+    "CallerSpeechUnavailable",
     "EarlyAudio",
     "InProcessBackend",
     "InProcessSession",
@@ -40,4 +45,5 @@ __all__ = [
     "RemoteSession",
     "SessionLost",
     "SessionRefused",
+    "SpeechEdge",
 ]

@@ -55,6 +55,10 @@ class BackendSession(Protocol):
     """One conversation with the model."""
 
     @property
+    def session_id(self) -> str:
+        """The model side's id of the session (the server's, in its logs and `/calls`)."""
+
+    @property
     def description(self) -> str:
         """Who we talk to, for logs (session id, server address)."""
 

@@ -14,10 +14,12 @@ from collections import deque
 import numpy as np
 
 from personaplex_voice.engine.base import SAMPLE_RATE
+from personaplex_voice.engine.scheduler.config import DEFAULT_START_BURST_S
 
-# A session keeps at most this much input before it runs (SessionManager's max_input_s in
-# realtime mode); holding more here would only be dropped there.
-DEFAULT_MAX_S = 1.0
+# What a session keeps and catches up from before it runs (its start burst, `start_burst_s`: 5 s
+# by default), so a slow prompt load or a short queue wait loses none of the caller's words;
+# holding more here would only be dropped there.
+DEFAULT_MAX_S = DEFAULT_START_BURST_S
 
 
 class EarlyAudio:

@@ -37,6 +37,10 @@ class InProcessSession:
         self._closing = False
 
     @property
+    def session_id(self) -> str:
+        return str(self._session.id)
+
+    @property
     def description(self) -> str:
         return f"in-process session {self._session.id}"
 

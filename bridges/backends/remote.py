@@ -39,7 +39,8 @@ from .base import AgentFrame, BackendUnavailable, SessionLost, SessionRefused
 log = logging.getLogger("personaplex_backends.remote")
 
 # User audio waiting to be encoded and sent; past this the oldest is dropped (a stalled socket
-# must not turn into seconds of latency once it recovers).
+# must not turn into seconds of latency once it recovers). The first push, the caller's audio a
+# bridge held while the session opened, is exempt: the server keeps and catches it up.
 MAX_SEND_BACKLOG_S = 1.0
 # Why a server ends a running session without it being this client's fault (its shutdown or
 # restart, an engine failure, its own limits): the session is lost, not refused.
@@ -74,11 +75,17 @@ class RemoteSession:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._sender = asyncio.create_task(self._send_loop(), name="personaplex-remote-send")
+        self._held_start = 0  # samples of the first push while it waits (see MAX_SEND_BACKLOG_S)
+        self._pushed_any = False
         self.dropped_samples = 0
 
     @property
+    def session_id(self) -> str:
+        return str(self.metadata.get("session_id", ""))
+
+    @property
     def description(self) -> str:
-        return f"remote session {self.metadata.get('session_id', '?')} at {self._url.split('?')[0]}"
+        return f"remote session {self.session_id or '?'} at {self._url.split('?')[0]}"
 
     @property
     def closed(self) -> bool:
@@ -88,12 +95,17 @@ class RemoteSession:
     def push(self, pcm: np.ndarray) -> None:
         if self._closing or not len(pcm):
             return
+        if not self._pushed_any:
+            self._pushed_any = True
+            self._held_start = len(pcm)
         self._pending.append(np.asarray(pcm, np.float32))
         self._pending_samples += len(pcm)
-        while self._pending_samples > MAX_SEND_BACKLOG_S * SAMPLE_RATE and len(self._pending) > 1:
+        bound = MAX_SEND_BACKLOG_S * SAMPLE_RATE + self._held_start
+        while self._pending_samples > bound and len(self._pending) > 1:
             old = self._pending.popleft()
             self._pending_samples -= len(old)
             self.dropped_samples += len(old)
+            self._held_start = 0
         self._wakeup.set()
 
     async def _send_loop(self) -> None:
@@ -104,6 +116,7 @@ class RemoteSession:
                 while self._pending:
                     pcm = self._pending.popleft()
                     self._pending_samples -= len(pcm)
+                    self._held_start = 0
                     pages = self._writer.write(pcm)
                     if pages:
                         await self._ws.send(protocol.encode_audio(pages))

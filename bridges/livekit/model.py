@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from personaplex_backends import Backend, Backoff, InProcessBackend, RemoteBackend
+from personaplex_backends.caller_speech import load_model as load_caller_vad
 
 from livekit.agents import llm
 from personaplex_voice.engine.base import Sampling
@@ -49,7 +50,8 @@ class DuplexModel(llm.DuplexModel):
         `engine_options` going to `InProcessBackend` (`device="cuda"`, `num_slots=4`, ...).
     The persona:
       `voice`: a voice prompt name known to the model ("NATF2"); None = the model's default.
-      `instructions`: the text prompt when the agent gives none (the agent's win).
+      `instructions`: the persona's text prompt when the agent's instructions are empty; the
+        agent's own, when it gives any, win (and an `update_instructions("")` goes back to these).
       `sampling`, `seed`: `personaplex_voice.engine.base.Sampling` and the sampling seed
         (None = a new one per session).
       `actions`: the persona's action rules (the `actions` list of a personas file; the
@@ -59,6 +61,10 @@ class DuplexModel(llm.DuplexModel):
       (LiveKit's adapter makes a generation of each stretch of it); the Pipecat service's level.
     `backoff`: reopening a lost session and retrying a full server (`Backoff(attempts=5,
     initial_s=0.5, max_s=8)`); the remote backend's connection retries use it too.
+    `caller_vad`: watch the caller's audio with silero-vad and report `input_speech_started` /
+      `input_speech_stopped`, from which LiveKit's default session takes the caller's
+      `user_state` (False: no caller events; the caller is then "away" after LiveKit's
+      `user_away_timeout` of agent silence, even while talking).
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class DuplexModel(llm.DuplexModel):
         tool_names: Mapping[str, str] | None = None,
         speech_threshold_db: float = -45.0,
         backoff: Backoff | None = None,
+        caller_vad: bool = True,
     ) -> None:
         super().__init__(
             capabilities=llm.DuplexCapabilities(
@@ -120,7 +127,10 @@ class DuplexModel(llm.DuplexModel):
         self.actions = list(actions) if actions is not None else None
         self.tool_names = dict(tool_names or {})
         self.speech_threshold_db = speech_threshold_db
+        self.caller_vad = caller_vad
         ToolRules(self.actions, self.tool_names)  # a rule that cannot work fails here, not mid-call
+        if caller_vad:
+            load_caller_vad()  # a missing silero-vad model fails here, not when a call starts
         self._sessions: weakref.WeakSet[DuplexSession] = weakref.WeakSet()
 
     @property

@@ -15,6 +15,26 @@ each one sent as
 
 and at most one frame of audio is kept ahead of real-time playback (see
 `utterance_playout.PlayoutGate`).
+
+The caller's speech is watched by silero-vad (`personaplex_backends.CallerSpeech`) and announced
+as Pipecat's VAD would: `VADUserStartedSpeakingFrame` + `UserStartedSpeakingFrame` when they
+start, `VADUserStoppedSpeakingFrame` + `UserStoppedSpeakingFrame` when they stop, broadcast both
+ways, never with an interruption (the model takes its own turns). A service that emits turn
+frames itself owns the interruption logic, and an `ExternalUserTurnStartStrategy` adopts such a
+turn without repeating it (pipecat/turns/user_start/external_user_turn_start_strategy.py). When
+the pipeline has a VAD of its own (its frames reach this service), this one stays quiet.
+
+Failures: a refusal or a lost connection that cannot be reopened is one `ErrorFrame` with its
+category; anything unexpected is one `ErrorFrame` of category `UNKNOWN` naming the exception.
+Either way the service marks itself unusable (`push_error(force_treat_as_permanent=True)`, what
+Pipecat 1.8+ uses instead of `fatal=True`: pipecat/frames/frames.py, `ErrorFrame.fatal`) and the
+worker's `ProcessorUnusablePolicy` decides whether the call ends.
+
+Metrics (`enable_metrics` / `enable_usage_metrics`): TTFB = the caller's end of speech (the VAD's)
+or the session becoming ready, to the agent's first audible audio after it; processing = the
+same start to the end of that utterance; usage (`LLMUsageMetricsData`) when a session ends, its
+audio as tokens, one per 80 ms model frame (`input_audio_tokens` heard, `output_audio_tokens`
+made, so seconds = tokens x 0.08) and the text pieces as completion tokens.
 """
 
 from __future__ import annotations
@@ -31,9 +51,11 @@ from personaplex_backends import (
     Backend,
     BackendSession,
     BackendUnavailable,
+    CallerSpeech,
     EarlyAudio,
     SessionLost,
     SessionRefused,
+    SpeechEdge,
 )
 
 from personaplex_voice.audio.resample import StreamingResampler
@@ -55,7 +77,12 @@ from pipecat.frames.frames import (
     TTSStartedFrame,
     TTSStoppedFrame,
     TTSTextFrame,
+    UserStartedSpeakingFrame,
+    UserStoppedSpeakingFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
 )
+from pipecat.metrics.metrics import LLMTokenUsage
 from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.llm_service import LLMService
 from pipecat.services.settings import LLMSettings
@@ -64,7 +91,7 @@ from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.text.base_text_aggregator import TextType
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
-from .utterance_playout import Edge, PlayoutGate, SpeechEndDetector, UtteranceTracker
+from .utterance_playout import Edge, PlayoutGate, UtteranceTracker
 
 FRAME_S = FRAME_SIZE / SAMPLE_RATE  # 0.08
 
@@ -125,6 +152,9 @@ class PersonaPlexLLMService(LLMService):
             caller's ear (an underrun at Twilio); the lead absorbs it, at that cost in latency.
         reconnect_attempts: how many times a session lost mid-call (dropped connection) is
             reopened before giving up with an ErrorFrame. Refusals are never retried.
+        caller_vad: watch the caller with silero-vad and announce their speech (user speaking
+            frames, TTFB from their end of speech); False: no user frames, TTFB only from the
+            session becoming ready.
     """
 
     Settings = PersonaPlexLLMSettings
@@ -149,6 +179,7 @@ class PersonaPlexLLMService(LLMService):
         max_audio_ahead_s: float | None = FRAME_S,
         playout_lead_s: float = 0.04,
         reconnect_attempts: int = 2,
+        caller_vad: bool = True,
         **kwargs: Any,
     ):
         chosen = [
@@ -186,7 +217,13 @@ class PersonaPlexLLMService(LLMService):
 
         self._tracker = UtteranceTracker(speech_threshold_db, max(1, round(hangover_s / FRAME_S)))
         self._gate = PlayoutGate(max_audio_ahead_s)
-        self._user_speech = SpeechEndDetector(speech_threshold_db)
+        self._caller_vad = caller_vad
+        self._speech: CallerSpeech | None = None  # one per call, made at start
+        self._pipeline_vad = False  # the pipeline announces the caller's speech itself
+        self._utterance_started_at = 0.0
+        self._timed_utterance = False  # the current utterance's TTFB was measured
+        self._failed = False  # one ErrorFrame was pushed: the service cannot go on
+        self._usage = {"samples_in": 0, "frames_out": 0, "text_pieces": 0}  # the open session's
         self._reconnect_attempts = reconnect_attempts
         self._playout_lead_s = playout_lead_s
 
@@ -205,6 +242,8 @@ class PersonaPlexLLMService(LLMService):
         self._processing = False  # a processing-time measurement is running
         self.stats: dict[str, int] = {
             "sessions": 0,
+            "reconnects": 0,
+            "caller_speech": 0,  # stretches of caller speech the VAD found
             "utterances": 0,
             "frames_pushed": 0,
             "frames_dropped": 0,
@@ -257,6 +296,8 @@ class PersonaPlexLLMService(LLMService):
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
         self._stopping = False
+        if self._caller_vad:
+            self._speech = CallerSpeech()
         self._out_rate = self.processor_setup.audio_out_sample_rate
         self._out_resampler = None
         # a rate that is not a small-integer ratio of 24 kHz (44.1 kHz) goes through Pipecat's
@@ -283,9 +324,20 @@ class PersonaPlexLLMService(LLMService):
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
         if isinstance(frame, InputAudioRawFrame):
-            await self._send_user_audio(frame)
+            if not self._failed:
+                try:
+                    await self._send_user_audio(frame)
+                except Exception as exc:  # one ErrorFrame, not one per audio frame
+                    await self._fail(exc)
         elif isinstance(frame, InterruptionFrame):
             await self._handle_interruption()
+        elif (
+            isinstance(frame, (VADUserStartedSpeakingFrame, UserStartedSpeakingFrame))
+            and direction == FrameDirection.DOWNSTREAM
+            and not self._pipeline_vad
+        ):
+            logger.info(f"{self}: the pipeline detects the caller's speech itself; not announcing it")
+            self._pipeline_vad = True
         await self.push_frame(frame, direction)
 
     # -- session life ------------------------------------------------------------------------
@@ -294,9 +346,24 @@ class PersonaPlexLLMService(LLMService):
         try:
             await self._session_loop()
         except Exception as exc:  # a bug or an engine failure: say so instead of going silent
-            await self.push_error(
-                f"PersonaPlex: {type(exc).__name__}: {exc}", exception=exc, category=ErrorCategory.UNKNOWN
-            )
+            await self._fail(exc)
+
+    async def _fail(self, exc: Exception) -> None:
+        """Something that should not happen: one ErrorFrame naming it, and the service stops
+        (marked unusable: the worker's ProcessorUnusablePolicy decides about the call)."""
+        if self._failed:
+            return
+        self._failed = True
+        logger.opt(exception=exc).error(f"{self}: PersonaPlex failed")
+        await self.push_error(
+            f"PersonaPlex: {type(exc).__name__}: {exc}",
+            exception=exc,
+            category=ErrorCategory.UNKNOWN,
+            force_treat_as_permanent=True,
+        )
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     async def _session_loop(self) -> None:
         """Open a session, stream its output; reopen it if it is lost mid-call (not if refused)."""
@@ -315,9 +382,11 @@ class PersonaPlexLLMService(LLMService):
             early = self._early.take()
             if len(early):
                 session.push(early)  # the caller's first words, in order, before the live audio
+                self._usage["samples_in"] += len(early)
             self.stats["sessions"] += 1
             logger.info(f"{self}: {session.description} ready")
-            await self.start_ttfb_metrics()  # the agent may speak first
+            if self._speech is None or not self._speech.speaking:
+                await self._turn_due(time.time())  # the agent may speak first
             try:
                 async for out in session.frames():
                     await self._handle_agent_frame(out.pcm, out.text)
@@ -332,6 +401,7 @@ class PersonaPlexLLMService(LLMService):
                     await self._report(exc)
                     return
                 reconnects += 1
+                self.stats["reconnects"] += 1
                 logger.warning(
                     f"{self}: {exc}; opening a new session ({reconnects}/{self._reconnect_attempts})"
                 )
@@ -339,10 +409,31 @@ class PersonaPlexLLMService(LLMService):
             finally:
                 self._session = None
                 await session.close()
+                await self._report_usage()
+
+    async def _report_usage(self) -> None:
+        """The ended session's audio, as usage metrics (tokens: 80 ms model frames)."""
+        usage, self._usage = self._usage, {"samples_in": 0, "frames_out": 0, "text_pieces": 0}
+        frames_in = usage["samples_in"] // FRAME_SIZE
+        if not frames_in and not usage["frames_out"]:
+            return
+        completion = usage["frames_out"] + usage["text_pieces"]
+        await self.start_llm_usage_metrics(
+            LLMTokenUsage(
+                prompt_tokens=frames_in,
+                completion_tokens=completion,
+                total_tokens=frames_in + completion,
+                input_audio_tokens=frames_in,
+                output_audio_tokens=usage["frames_out"],
+            )
+        )
 
     async def _report(self, exc: Exception) -> None:
         """One ErrorFrame upstream; the service cannot work without a session, so it also marks
         itself unusable (the worker's `processor_unusable_policy` decides whether the call ends)."""
+        if self._failed:
+            return
+        self._failed = True
         if isinstance(exc, SessionRefused):
             category = _REFUSAL_CATEGORIES.get(exc.kind, ErrorCategory.UNKNOWN)
         else:
@@ -360,6 +451,7 @@ class PersonaPlexLLMService(LLMService):
         task, self._session_task = self._session_task, None
         if task is not None:
             await self.cancel_task(task, timeout=2.0)
+        await self._report_usage()  # when the task was cancelled before it could
 
     # -- user audio in -----------------------------------------------------------------------
 
@@ -367,18 +459,53 @@ class PersonaPlexLLMService(LLMService):
         pcm = _pcm16_to_float(frame.audio, frame.num_channels)
         if frame.sample_rate != SAMPLE_RATE:
             pcm = await self._resample_input(pcm, frame.audio, frame.sample_rate, frame.num_channels)
+        if self._speech is not None:
+            for edge in self._speech.update(pcm):
+                await self._on_caller_speech(edge)
         session = self._session
         if session is None:  # not ready yet: kept for it (the server catches the backlog up)
             self._early.add(pcm)
             self.stats["input_samples_dropped"] = self._early.dropped_samples
             return
         session.push(pcm)
-        speech_end = self._user_speech.update(pcm, time.time())
-        if speech_end is not None and not self._tracker.speaking:
-            # The user stopped and the agent is silent: time how long until it answers.
-            await self.start_ttfb_metrics(start_time=speech_end)
-            await self.start_processing_metrics(start_time=speech_end)
-            self._processing = True
+        self._usage["samples_in"] += len(pcm)
+
+    async def _on_caller_speech(self, edge: SpeechEdge) -> None:
+        assert self._speech is not None
+        # when it happened on the wall clock (the VAD is sure of it `confirmed_s` later)
+        at = time.time() - (self._speech.position_s - edge.at_s)
+        if edge.kind == "started":
+            self.stats["caller_speech"] += 1
+            if not self._tracker.speaking:  # the agent's turn is not due while the caller talks
+                await self.cancel_ttfb_metrics()
+                self._processing = False
+            if not self._pipeline_vad:
+                await self.broadcast_frame(
+                    VADUserStartedSpeakingFrame, start_secs=edge.confirmed_s, timestamp=at
+                )
+                await self.broadcast_frame(UserStartedSpeakingFrame)
+            return
+        if not self._pipeline_vad:
+            stopped = {"stop_secs": edge.confirmed_s, "timestamp": at}
+            await self.broadcast_frame(VADUserStoppedSpeakingFrame, **stopped)
+            await self.broadcast_frame(UserStoppedSpeakingFrame)
+        if not self._tracker.speaking:
+            await self._turn_due(at)  # the caller stopped and the agent is silent: time its answer
+        elif not self._timed_utterance and self._utterance_started_at >= at:
+            # the agent answered before the VAD was sure the caller had stopped (PersonaPlex
+            # often does): its answer is timed from the caller's end of speech all the same
+            await self.start_ttfb_metrics(start_time=at)
+            await self.stop_ttfb_metrics(end_time=self._utterance_started_at)
+            self._timed_utterance = True
+            if not self._processing:
+                await self.start_processing_metrics(start_time=at)
+                self._processing = True
+
+    async def _turn_due(self, since: float) -> None:
+        """The agent's turn came at `since`: TTFB and processing run from then."""
+        await self.start_ttfb_metrics(start_time=since)
+        await self.start_processing_metrics(start_time=since)
+        self._processing = True
 
     async def _resample_input(self, pcm: np.ndarray, raw: bytes, rate: int, channels: int) -> np.ndarray:
         resampler = self._in_resamplers.get(rate)
@@ -413,6 +540,7 @@ class PersonaPlexLLMService(LLMService):
             if text is not None:  # a text piece always keeps (or starts) an utterance
                 await self._push_text(text)
             if pcm is not None:
+                self._usage["frames_out"] += 1
                 audio = await self._resample_output(pcm)
                 if edge is not Edge.NONE:
                     await self._push_audio(audio)
@@ -421,7 +549,10 @@ class PersonaPlexLLMService(LLMService):
 
     async def _open_utterance(self) -> None:
         self.stats["utterances"] += 1
-        await self.stop_ttfb_metrics()
+        self._utterance_started_at = time.time()
+        # a measurement started when the agent's turn came ends here (no-op when none runs)
+        self._timed_utterance = self._processing
+        await self.stop_ttfb_metrics(end_time=self._utterance_started_at)
         if not self._processing:
             await self.start_processing_metrics()
             self._processing = True
@@ -433,6 +564,7 @@ class PersonaPlexLLMService(LLMService):
 
     async def _push_text(self, text: str) -> None:
         self.stats["text_pieces"] += 1
+        self._usage["text_pieces"] += 1
         # Like OpenAI Realtime: LLMTextFrame for RTVI's bot-llm-text (kept out of the context),
         # TTSTextFrame for what the bot says (the assistant aggregator records that one).
         llm_text = LLMTextFrame(text)

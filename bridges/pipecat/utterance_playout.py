@@ -4,6 +4,7 @@ A full-duplex model produces one 80 ms frame of agent audio every 80 ms for the 
 silence included. Pipecat thinks in *utterances* (TTSStartedFrame ... TTSStoppedFrame, bot
 started/stopped speaking), so `UtteranceTracker` cuts the continuous stream into them, and
 `PlayoutGate` keeps the output transport from queueing more than one frame ahead of playback.
+(When the caller talks is silero-vad's business: personaplex_backends.CallerSpeech.)
 """
 
 from __future__ import annotations
@@ -116,28 +117,3 @@ class PlayoutGate:
     def reset(self) -> None:
         """Downstream dropped its queue (an interruption): nothing is waiting any more."""
         self._playout_end = 0.0
-
-
-class SpeechEndDetector:
-    """Finds where the user stops talking, from the level of the audio they send.
-
-    Only used to start the TTFB measurement ("user stopped, how long until the agent speaks?");
-    the model itself hears everything and needs no VAD. `update` returns the wall-clock time at
-    which the speech ended, once `hangover_s` of quiet confirms it, and None otherwise.
-    """
-
-    def __init__(self, threshold_db: float = -45.0, hangover_s: float = 0.4):
-        self.threshold_db = threshold_db
-        self.hangover_s = hangover_s
-        self._speaking = False
-        self._last_loud = 0.0
-
-    def update(self, pcm: np.ndarray, now: float) -> float | None:
-        if level_db(pcm) >= self.threshold_db:
-            self._speaking = True
-            self._last_loud = now
-            return None
-        if self._speaking and now - self._last_loud >= self.hangover_s:
-            self._speaking = False
-            return self._last_loud
-        return None

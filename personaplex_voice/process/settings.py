@@ -60,7 +60,7 @@ class ServerSettings(BaseSettings):
     max_call_s: float = Field(3600.0, ge=0)
     idle_timeout_s: float = Field(60.0, ge=0)
     # Input a session keeps from its start beyond real time and catches up instead of trimming
-    # (docs/sessions.md); None = the session's input bound (1 s), 0 = trim it like late input.
+    # (docs/sessions.md); None = the default (5 s), 0 = trim it like late input.
     start_burst_s: float | None = Field(None, ge=0)
     # Persona cache: slot snapshots after the system prompt, so a repeated persona skips the
     # prefill. 0 disables it.

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE
 
 FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
+# Realtime: the caller audio from before a session runs (a slow prompt prefill, a queue wait, a
+# bridge's connect) that is kept and caught up, unless `max_input_s` is set. A prompt on a loaded
+# server can take seconds; the LiveKit and Pipecat bridges hold that much while they open.
+DEFAULT_START_BURST_S = 5.0
 
 
 def default_max_input_s(realtime: bool) -> float:
@@ -32,7 +36,9 @@ class SchedulerConfig:
     input_settle_ticks: int | None = 12  # realtime jitter buffer: unused spare goes after this
     max_input_samples: int = SAMPLE_RATE  # input backlog bound per session, at push time
     # realtime: a session's start burst (input kept from before it ran) the jitter buffer leaves
-    # alone and catch-up steps consume (engine/start_burst.py); 0 = none
+    # alone and catch-up steps consume (engine/start_burst.py); 0 = none. It may exceed the input
+    # bound: a session's push-time bound is then the burst (its jitter buffer trims spare input
+    # at every tick anyway, so only a start burst can ever fill it).
     start_burst_frames: int = 0
     output_frames: int = 64  # output queue bound per session
     max_call_frames: int | None = 45_000  # a call ends after this many frames (None: never)
@@ -67,9 +73,11 @@ class SchedulerConfig:
         max_catchup_ticks: int = 3,
     ) -> SchedulerConfig:
         """The config from durations in seconds (None: the documented default or no limit)."""
+        if start_burst_s is None:  # a bound given for input holds for the start too
+            start_burst_s = DEFAULT_START_BURST_S if max_input_s is None else max_input_s
         if max_input_s is None:
             max_input_s = default_max_input_s(realtime)
-        burst_s = max_input_s if start_burst_s is None else min(start_burst_s, max_input_s)
+        burst_s = start_burst_s
         return cls(
             realtime=realtime,
             max_queue=max_queue,
