@@ -39,6 +39,8 @@ from personaplex_phone.link import WebSocketLink
 from personaplex_phone.urls import public_base
 from starlette.requests import HTTPConnection
 
+from personaplex_voice import untrusted
+
 from . import media_ws
 from .config import AsteriskSettings
 from .control import AsteriskControl
@@ -125,14 +127,12 @@ class AsteriskCarrier(CarrierDefaults):
     # --- the answer: POST /asterisk/calls -------------------------------------------------------
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
         """JSON (`variables` an object) or a form (what the dialplan's CURL() posts); ValueError
-        for anything else, so the request is refused."""
+        for anything else (a JSON body out of bounds too: untrusted.loads), so the request is
+        refused."""
         if not body.strip():
             return dict(query)
         if "json" in content_type.lower() or body.lstrip()[:1] == b"{":
-            data = json.loads(body)
-            if not isinstance(data, dict):
-                raise ValueError("the body must be a JSON object")
-            return flatten(data)
+            return flatten(untrusted.loads_object(body, what="the body"))
         return dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
 
     def verify(self, webhook: Webhook) -> bool:
@@ -209,12 +209,9 @@ class AsteriskCarrier(CarrierDefaults):
         return entry.uuid
 
     async def _run(self, link: Any, entry: AsteriskTicket, base: str, wire: Any) -> None:
-        stream = await self.service.run_stream(self, link, entry.ticket, entry.public_base or base, wire)
-        if stream.call is None and not entry.resume:
-            # The leg ended before its audio began: the reservation will not be used.
-            manager = self.service.manager
-            if manager is not None:
-                manager.cancel(entry.ticket)
+        # A leg that ends before its audio begins gives its reservation back (the phone call's
+        # stream does, as on every carrier).
+        await self.service.run_stream(self, link, entry.ticket, entry.public_base or base, wire)
 
     async def _audiosocket(self, link: AudioSocketLink, uuid: str, peer: str) -> None:
         entry = self.tickets.take(uuid)
