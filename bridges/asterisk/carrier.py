@@ -122,7 +122,8 @@ class AsteriskCarrier(CarrierDefaults):
             return True
         auth = headers.get("authorization", "")
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-        return bool(given) and any(hmac.compare_digest(given, key) for key in self._keys())
+        # Bytes: comparing a str with non-ASCII characters (a forged header's) raises TypeError.
+        return bool(given) and any(hmac.compare_digest(given.encode(), key.encode()) for key in self._keys())
 
     # --- the answer: POST /asterisk/calls -------------------------------------------------------
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
@@ -230,7 +231,7 @@ class AsteriskCarrier(CarrierDefaults):
         if not user and not password:
             return True
         expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
-        return hmac.compare_digest(headers.get("authorization", ""), expected)
+        return hmac.compare_digest(headers.get("authorization", "").encode(), expected.encode())
 
     async def media_socket(self, ws: WebSocket) -> None:
         """`WS /asterisk/media?ticket=UUID` (or `/asterisk/media/UUID`): a chan_websocket leg."""

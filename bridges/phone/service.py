@@ -74,6 +74,9 @@ BODY_TIMEOUT_S = 10.0
 # What a carrier's parsing or signature check may raise on input it cannot read: the peer's
 # fault (a refusal and one WARNING line), never a 500.
 UNREADABLE = (ValueError, OverflowError, RecursionError)
+# A signature check that raises at all has not verified anything (TypeError too: a str compared
+# with one that has non-ASCII characters in it).
+UNVERIFIABLE = (*UNREADABLE, TypeError)
 ENDED_MESSAGE = "This call has ended."
 UNCONFIGURED_MESSAGE = "Sorry, this line is not configured."
 # The line rates calls come at: their resampling filters are designed when the service starts
@@ -278,7 +281,8 @@ class PhoneService:
             keys.append(server_key.get_secret_value())
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        return bool(given) and any(k and hmac.compare_digest(given, k) for k in keys)
+        # Bytes: comparing a str with non-ASCII characters (a forged header's) raises TypeError.
+        return bool(given) and any(k and hmac.compare_digest(given.encode(), k.encode()) for k in keys)
 
     # --- reading the carrier's requests ------------------------------------------------------
     @property
@@ -309,7 +313,7 @@ class PhoneService:
         try:
             if not self.settings.validate_signatures or carrier.verify(webhook):
                 return webhook
-        except UNREADABLE as exc:
+        except UNVERIFIABLE as exc:
             log.warning(
                 "%s: rejected a webhook with an unreadable signature for %s: %s",
                 carrier.name,
@@ -552,7 +556,7 @@ class PhoneService:
         ticket = ws.path_params.get("ticket", "")
         try:
             verified = not self.settings.validate_signatures or carrier.verify_upgrade(ws)
-        except UNREADABLE as exc:
+        except UNVERIFIABLE as exc:
             log.warning(
                 "%s: rejected a media stream upgrade with an unreadable signature: %s", carrier.name, exc
             )

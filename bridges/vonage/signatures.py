@@ -66,7 +66,7 @@ def verify(
     if body or claimed is not None:
         if not isinstance(claimed, str):
             return False
-        return hmac.compare_digest(claimed.lower(), hashlib.sha256(body).hexdigest())
+        return hmac.compare_digest(claimed.lower().encode(), hashlib.sha256(body).hexdigest().encode())
     return True
 
 
