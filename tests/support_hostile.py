@@ -274,17 +274,17 @@ def stream_cases(carrier: str, sim: PhoneSimulator, offer: StreamOffer) -> list[
 # --- hostile webhooks -----------------------------------------------------------------------------------
 
 
-def json_post(carrier: str) -> tuple[str, dict[str, str]]:
-    """Where the carrier posts JSON to us, and the request's headers (unsigned, or Asterisk's key
-    missing: a body that parses is refused for its signature, 403)."""
+def json_posts(carrier: str) -> list[str]:
+    """Where the carrier posts to us (its answer and status webhooks; jambonz's actionHook too),
+    unsigned (Asterisk: without the key): a body that parses is refused for its signature, 403."""
     return {
-        "vonage": ("/vonage/event", {}),
-        "exotel": ("/exotel/answer", {}),
-        "jambonz": ("/jambonz/call", {}),
-        "asterisk": ("/asterisk/calls", {}),
-        "twilio": ("/twilio/voice", {}),  # a form webhook: a JSON body is just no form of Twilio's
-        "telnyx": ("/telnyx/voice", {}),
-        "plivo": ("/plivo/answer", {}),
+        "vonage": ["/vonage/event"],  # the answer is a GET
+        "exotel": ["/exotel/answer", "/exotel/status"],
+        "jambonz": ["/jambonz/call", "/jambonz/status", "/jambonz/action"],
+        "asterisk": ["/asterisk/calls"],
+        "twilio": ["/twilio/voice", "/twilio/status"],  # form webhooks: a JSON body reads as no field
+        "telnyx": ["/telnyx/voice", "/telnyx/status"],
+        "plivo": ["/plivo/answer", "/plivo/hangup"],
     }[carrier]
 
 
@@ -350,14 +350,14 @@ def signature_cases(carrier: str, sim: PhoneSimulator) -> list[tuple[str, HttpRe
 async def webhook_round(server: Any, carrier: str, sim: PhoneSimulator, slow: bool = True) -> list[Outcome]:
     """Every hostile webhook of `carrier`. `slow`: also a body that stalls (answered after the
     server's body timeout) and one whose client leaves half way."""
-    path, headers = json_post(carrier)
-    post = HttpRequest("POST", path, {**headers, "Content-Type": "application/json"}, b"{}")
-    outcomes = [
-        Outcome(f"{carrier} body {name}", await http_case(server, post, body=body), expect)
-        for name, body, expect in body_cases(carrier)
-    ]
+    outcomes = []
+    for path in json_posts(carrier):
+        post = HttpRequest("POST", path, {"Content-Type": "application/json"}, b"{}")
+        for name, body, expect in body_cases(carrier):
+            outcomes.append(Outcome(f"{path} body {name}", await http_case(server, post, body=body), expect))
     for name, request in signature_cases(carrier, sim):
         outcomes.append(Outcome(f"{carrier} signature {name}", await http_case(server, request), 403))
+    post = HttpRequest("POST", json_posts(carrier)[0], {"Content-Type": "application/json"}, b"{}")
     small = replace(post, body=b'{"a"')
     delivery = {
         "declared too large": (http_case(server, small, declared=100_000), 413),

@@ -31,6 +31,7 @@ from personaplex_twilio.wire import ProtocolError as TwilioProtocolError
 from personaplex_twilio.wire import media_chunk, parse_message
 from personaplex_vonage import signatures as vonage_signatures
 
+from personaplex_voice.cluster import wire as cluster_wire
 from personaplex_voice.untrusted import (
     InputRefused,
     JsonLimits,
@@ -252,6 +253,12 @@ def test_chan_websocket_sizes_that_are_no_size() -> None:
     ):
         with pytest.raises(media_ws.MessageError):
             media_ws.parse_event(text)
+
+
+def test_a_cluster_peer_s_control_messages_are_read_bounded_before_its_secret_is_checked() -> None:
+    with pytest.raises(cluster_wire.WireError, match="nested"):
+        cluster_wire.parse_json(b"[" * 50_000)
+    assert cluster_wire.parse_json(b'{"secret": "s"}') == {"secret": "s"}
 
 
 # --- tickets -----------------------------------------------------------------------------------------------
