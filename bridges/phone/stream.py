@@ -331,6 +331,8 @@ class PhoneStream:
                 if not self.ticket:
                     await self._admit(event)
                 binding = await self._bind(event)
+                if binding.session is not None:
+                    self.session = binding.session  # closed by `_finish` whatever happens next
                 started = time.perf_counter()
                 self._on_start(event, binding)
                 meter.add(spent + time.perf_counter() - started)
@@ -509,7 +511,6 @@ class PhoneStream:
             self._end(binding.failure, hang_up=True)
         else:
             # The prompt goes in without holding up the receive loop: prefill can take a while.
-            self.session = binding.session
             self._opener = asyncio.create_task(self._until_ready())
 
     def _spec(self, persona_name: str) -> PersonaSpec:
@@ -692,7 +693,7 @@ class PhoneStream:
         nothing is now (no REST request, no record). Its ticket's reservation goes back at once
         (the carrier retries or gives up; a replayed answer webhook still gets the same answer
         while the ticket lasts), unless a start was refused: that ticket is not its to give back."""
-        if self.session is not None:  # never, but a session must not outlive its stream
+        if self.session is not None:  # its call could not be set up: the session must not outlive it
             with contextlib.suppress(Exception):
                 await self.session.close(reason=session_close_reason(reason))
         if self.ticket and not self._start_refused:
