@@ -7,6 +7,7 @@ and what phone tests ask of a running server (its calls, a call's record, waitin
     sim = PhoneSimulator(carrier_side("plivo"), server.url, public_url=PUBLIC_URL)
     apis.requests_for("plivo")                          # what the server asked Plivo to do
     await wait_idle(server); record = await wait_ended(server, call_id)
+    line_echo_similarity(said, heard, rate)             # how well a call's echo came back (1.0: whole)
 """
 
 from __future__ import annotations
@@ -271,3 +272,23 @@ def speechlike(seconds: float, rate: int, seed: int = 5) -> np.ndarray:
     noise = np.convolve(rng.standard_normal(n), np.hanning(round(rate / 1000) + 5) / 4, "same")
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3.0 * np.arange(n) / rate)
     return (0.3 * noise * envelope).astype(np.float32)
+
+
+def line_echo_similarity(sent: np.ndarray, heard: np.ndarray, rate: int) -> float:
+    """The median over 0.5 s blocks of each block's best normalized correlation with what was
+    heard, its lag searched within 1 s (a starved CI machine may shift the echo mid-call)."""
+    from scipy.signal import correlate
+
+    block, lag = rate // 2, rate
+    scores = []
+    for start in range(0, len(sent) - block, block):
+        a = sent[start : start + block]
+        b = heard[start : start + block + lag]
+        if len(b) < block or np.linalg.norm(a) == 0:
+            continue
+        c = correlate(b, a, mode="valid")
+        # Each window's energy as a moving sum (np.convolve with a block of ones is quadratic).
+        running = np.concatenate([[0.0], np.cumsum(np.square(b, dtype=np.float64))])
+        energy = np.sqrt(np.maximum(running[block:] - running[:-block], 0.0))
+        scores.append(float(np.max(c / np.maximum(np.linalg.norm(a) * energy, 1e-12))))
+    return float(np.median(scores)) if scores else 0.0

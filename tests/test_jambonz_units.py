@@ -91,7 +91,7 @@ def test_dtmf_marks_and_our_messages() -> None:
     ("message", "problem"),
     [
         (binary(b"\x00\x01"), "before jambonz's first"),
-        ({"type": "websocket.receive", "text": "not json"}, "not JSON"),
+        ({"type": "websocket.receive", "text": "not json"}, "not valid JSON"),
         (text({**FIRST, "callSid": ""}), "callSid"),
         (text({**FIRST, "sampleRate": 44100}), "sampleRate"),
         (text({**FIRST, "mixType": "stereo"}), "mono"),

@@ -50,6 +50,7 @@ from support_phone import (
     calls_state,
     carrier_env,
     carrier_side,
+    line_echo_similarity,
     record_of,
     speechlike,
     wait_for,
@@ -108,24 +109,6 @@ def server(tmp_path_factory, apis, sink, audiosocket) -> Iterator[ServerProcess]
 
 def simulator(server: ServerProcess, carrier: str, **options) -> PhoneSimulator:
     return PhoneSimulator(carrier_side(carrier, **options), server.url, public_url=PUBLIC_URL)
-
-
-def echo_similarity(sent: np.ndarray, heard: np.ndarray, rate: int) -> float:
-    """The median over 0.5 s blocks of each block's best normalized correlation with what was
-    heard, its lag searched within 1 s (a starved CI machine may shift the echo mid-call)."""
-    from scipy.signal import correlate
-
-    block, lag = rate // 2, rate
-    scores = []
-    for start in range(0, len(sent) - block, block):
-        a = sent[start : start + block]
-        b = heard[start : start + block + lag]
-        if len(b) < block or np.linalg.norm(a) == 0:
-            continue
-        c = correlate(b, a, mode="valid")
-        energy = np.sqrt(np.convolve(b**2, np.ones(block), "valid"))
-        scores.append(float(np.max(c / np.maximum(np.linalg.norm(a) * energy, 1e-12))))
-    return float(np.median(scores)) if scores else 0.0
 
 
 async def post(sim: PhoneSimulator, request: HttpRequest) -> tuple[int, bytes]:
@@ -205,7 +188,7 @@ async def test_a_signed_call_echoes_and_hanging_up_frees_the_slot(server, sink, 
     heard = call.heard()
     if offer.outbound.rate != rate:
         heard = resample(heard, offer.outbound.rate, rate)
-    similarity = echo_similarity(speech, heard[primed:], rate)
+    similarity = line_echo_similarity(speech, heard[primed:], rate)
     formats = f"{offer.inbound.describe()} in, {offer.outbound.describe()} out"
     print(f"{carrier}: {formats}, echo similarity {similarity:.3f}")
     assert similarity >= 0.8

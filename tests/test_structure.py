@@ -17,6 +17,7 @@ PACKAGE = ROOT / "personaplex_voice"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "metrics": 0,
+    "untrusted": 0,
     "audio": 0,
     "model": 1,
     "engine": 2,

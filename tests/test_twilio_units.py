@@ -315,7 +315,10 @@ def test_the_wire_format_module_imports_nothing_of_the_bridge() -> None:
         if isinstance(node, ast.ImportFrom)
     ] + [(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     assert all(level == 0 for level, _ in imported)  # no relative import: nothing of the bridge
-    assert not [name for _, name in imported if name.startswith(("personaplex", "starlette", "fastapi"))]
+    ours = [name for _, name in imported if name.startswith(("personaplex", "starlette", "fastapi"))]
+    # Only the bounded JSON reader every peer's input goes through.
+    assert ours == ["personaplex_voice"]
+    assert "from personaplex_voice import untrusted\n" in inspect.getsource(wire)
 
 
 def test_a_prompt_template_renders_declared_values_and_literal_braces() -> None:

@@ -39,6 +39,8 @@ from personaplex_phone.link import WebSocketLink
 from personaplex_phone.urls import public_base
 from starlette.requests import HTTPConnection
 
+from personaplex_voice import untrusted
+
 from . import media_ws
 from .config import AsteriskSettings
 from .control import AsteriskControl
@@ -120,19 +122,18 @@ class AsteriskCarrier(CarrierDefaults):
             return True
         auth = headers.get("authorization", "")
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-        return bool(given) and any(hmac.compare_digest(given, key) for key in self._keys())
+        # Bytes: comparing a str with non-ASCII characters (a forged header's) raises TypeError.
+        return bool(given) and any(hmac.compare_digest(given.encode(), key.encode()) for key in self._keys())
 
     # --- the answer: POST /asterisk/calls -------------------------------------------------------
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
         """JSON (`variables` an object) or a form (what the dialplan's CURL() posts); ValueError
-        for anything else, so the request is refused."""
+        for anything else (a JSON body out of bounds too: untrusted.loads), so the request is
+        refused."""
         if not body.strip():
             return dict(query)
         if "json" in content_type.lower() or body.lstrip()[:1] == b"{":
-            data = json.loads(body)
-            if not isinstance(data, dict):
-                raise ValueError("the body must be a JSON object")
-            return flatten(data)
+            return flatten(untrusted.loads_object(body, what="the body"))
         return dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
 
     def verify(self, webhook: Webhook) -> bool:
@@ -209,12 +210,9 @@ class AsteriskCarrier(CarrierDefaults):
         return entry.uuid
 
     async def _run(self, link: Any, entry: AsteriskTicket, base: str, wire: Any) -> None:
-        stream = await self.service.run_stream(self, link, entry.ticket, entry.public_base or base, wire)
-        if stream.call is None and not entry.resume:
-            # The leg ended before its audio began: the reservation will not be used.
-            manager = self.service.manager
-            if manager is not None:
-                manager.cancel(entry.ticket)
+        # A leg that ends before its audio begins gives its reservation back (the phone call's
+        # stream does, as on every carrier).
+        await self.service.run_stream(self, link, entry.ticket, entry.public_base or base, wire)
 
     async def _audiosocket(self, link: AudioSocketLink, uuid: str, peer: str) -> None:
         entry = self.tickets.take(uuid)
@@ -233,7 +231,7 @@ class AsteriskCarrier(CarrierDefaults):
         if not user and not password:
             return True
         expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
-        return hmac.compare_digest(headers.get("authorization", ""), expected)
+        return hmac.compare_digest(headers.get("authorization", "").encode(), expected.encode())
 
     async def media_socket(self, ws: WebSocket) -> None:
         """`WS /asterisk/media?ticket=UUID` (or `/asterisk/media/UUID`): a chan_websocket leg."""

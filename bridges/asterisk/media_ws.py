@@ -1,5 +1,6 @@
 """The chan_websocket media protocol (Asterisk 20.16, 21.11, 22.6, 23.0 and later), as Asterisk
-documents it. Imports nothing of ours: strings in, strings out.
+documents it. Imports nothing of the phone call's (only the bounded JSON reader every peer's
+input goes through): strings in, strings out.
 
 Media travels in BINARY frames, raw in the channel's format (no headers). Control travels in
 TEXT frames, events from Asterisk and commands to it, in one of two formats chosen in Asterisk's
@@ -25,10 +26,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from personaplex_voice import untrusted
+
 PLAIN = "plain-text"
 JSON = "json"
 SUBPROTOCOL = "media"
 MAX_TEXT = 8192  # an event is a line or a small object; MEDIA_START's channel variables the most
+EVENT_LIMITS = untrusted.JsonLimits(max_bytes=MAX_TEXT, max_depth=8)
+MAX_FRAME_SIZE = 1 << 16  # bytes: `optimal_frame_size` beyond this is no frame size at all
 
 # Asterisk format names -> (codec, rate) as the phone call names them. Opus and the other
 # codecs chan_websocket can only pass through (framed by the sender) are not taken.
@@ -64,9 +69,9 @@ def parse_event(text: str) -> Event:
     stripped = text.strip()
     if stripped.startswith("{"):
         try:
-            data = json.loads(stripped)
-        except ValueError:
-            raise MessageError("an event that is not valid JSON") from None
+            data = untrusted.loads(stripped, EVENT_LIMITS)
+        except untrusted.InputRefused as exc:
+            raise MessageError(f"an event refused: {exc}") from None
         name = data.get("event") if isinstance(data, dict) else None
         if not isinstance(name, str) or not name:
             raise MessageError("a JSON event without an `event` name")
@@ -121,8 +126,14 @@ def parse_command(text: str, fmt: str) -> tuple[str, str]:
 
 
 def optimal_frame_size(event: Event) -> int:
+    """MEDIA_START's `optimal_frame_size` in bytes (a JSON integer or plain-text digits), 0 when
+    absent or not a size (a float, a sign, other Unicode digits, beyond MAX_FRAME_SIZE)."""
     value = event.fields.get("optimal_frame_size", 0)
-    try:
-        return max(0, int(value))
-    except (TypeError, ValueError):
+    if isinstance(value, str):
+        try:
+            value = untrusted.ascii_int(value, 6)
+        except untrusted.InputRefused:
+            return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_FRAME_SIZE:
         return 0
+    return value

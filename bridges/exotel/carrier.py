@@ -21,6 +21,8 @@ from personaplex_phone.carrier_kit import CarrierDefaults
 from personaplex_phone.service import form_fields
 from starlette.requests import HTTPConnection
 
+from personaplex_voice import untrusted
+
 from . import signatures
 from .config import ExotelSettings
 from .control import ExotelControl
@@ -57,7 +59,7 @@ class ExotelCarrier(CarrierDefaults):
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
         if method == "POST" and body:
             if "json" in content_type:
-                return j.string_map(json.loads(body))
+                return j.string_map(untrusted.loads(body))  # InputRefused (400) out of bounds
             return {**query, **form_fields(body)}
         return dict(query)
 

@@ -40,6 +40,13 @@ REQUIRED = (
     "x-api-key",
 )
 DERIVED = {"@request-target", "@authority", "@method", "@scheme", "@target-uri", "@path", "@query"}
+# RFC 8941's character classes are ASCII: `str.isdigit` and friends also take "²", "٣", "é".
+DIGIT = frozenset("0123456789")
+LCALPHA = frozenset("abcdefghijklmnopqrstuvwxyz")
+ALPHA = LCALPHA | frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+KEY_START, KEY_CHARS = LCALPHA | {"*"}, LCALPHA | DIGIT | frozenset("_-.*")
+TOKEN_START, TOKEN_CHARS = ALPHA | {"*"}, ALPHA | DIGIT | frozenset("!#$%&'*+-.^_`|~:/")
+INTEGER_START = DIGIT | {"-"}
 
 
 class SfError(ValueError):
@@ -87,9 +94,9 @@ class _Reader:
 
     def key(self) -> str:
         start = self.at
-        if not (self.peek().islower() or self.peek() == "*"):
+        if not self.peek() or self.peek() not in KEY_START:
             raise SfError(f"a key expected at {self.at}")
-        while self.peek() and (self.peek().islower() or self.peek().isdigit() or self.peek() in "_-.*"):
+        while self.peek() and self.peek() in KEY_CHARS:
             self.at += 1
         return self.text[start : self.at]
 
@@ -106,11 +113,11 @@ class _Reader:
                 raise SfError("a boolean is ?0 or ?1")
             self.at += 1
             return value == "1"
-        if char.isdigit() or char == "-":
+        if char and char in INTEGER_START:
             return self.integer()
-        if char.isalpha() or char == "*":
+        if char and char in TOKEN_START:
             start = self.at
-            while self.peek() and (self.peek().isalnum() or self.peek() in "!#$%&'*+-.^_`|~:/"):
+            while self.peek() and self.peek() in TOKEN_CHARS:
                 self.at += 1
             return Token(self.text[start : self.at])
         raise SfError(f"an item expected at {self.at}")
@@ -152,7 +159,7 @@ class _Reader:
         start = self.at
         if self.peek() == "-":
             self.at += 1
-        while self.peek().isdigit():
+        while self.peek() and self.peek() in DIGIT:
             self.at += 1
         digits = self.text[start : self.at]
         if digits in ("", "-") or len(digits.lstrip("-")) > 15:
@@ -294,7 +301,7 @@ class SignatureVerifier:
         try:
             inputs = parse_dictionary(headers.get("signature-input", ""))
             values = parse_dictionary(headers.get("signature", ""))
-        except SfError as exc:
+        except ValueError as exc:  # SfError, and anything else a field's text can raise
             return f"unreadable signature fields ({exc})"
         if not inputs:
             return "unsigned (no Signature-Input)"

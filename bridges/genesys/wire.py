@@ -33,6 +33,7 @@ import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from personaplex_phone import wire_json
 from personaplex_phone.carrier import (
     CLOSE_INVALID_DATA,
     AudioFormat,
@@ -129,10 +130,7 @@ class GenesysWire:
         return None  # update, discarded, playback_started/completed, and anything new
 
     def _message(self, text: str) -> dict[str, Any]:
-        try:
-            message = json.loads(text)
-        except ValueError:
-            raise ProtocolError("a text message that is not JSON", CLOSE_INVALID_DATA) from None
+        message = wire_json.json_value(text)
         if not isinstance(message, dict) or not isinstance(message.get("type"), str):
             raise ProtocolError("a message that is not a JSON object with a `type`", CLOSE_INVALID_DATA)
         if str(message.get("version")) != VERSION:

@@ -18,7 +18,6 @@ jambonz asks the verb's `actionHook` what next (control.py).
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -57,10 +56,7 @@ class JambonzWire:
         text = raw.get("text")
         if text is None:
             return None
-        try:
-            message = json.loads(text)
-        except ValueError:
-            raise ProtocolError("a text frame that is not JSON", CLOSE_INVALID_DATA) from None
+        message = j.json_value(text)
         if not isinstance(message, dict):
             raise ProtocolError("a text frame that is not a JSON object", CLOSE_INVALID_DATA)
         if not self.started:

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from personaplex_voice.server.static import web_root
+from personaplex_voice.untrusted import ascii_int_or_none
 
 from .carrier import Carrier
 from .records import valid_sid
@@ -88,10 +89,10 @@ class CallsApi:
         record = self._record(call_sid) if valid_sid(call_sid) else None
         if record is None:
             return JSONResponse({"error": f"no record of call {call_sid}"}, status_code=404)
-        since = request.query_params.get("since", "")
-        if since.isdigit():
-            record["transcript_from"] = int(since)
-            record["transcript"] = record["transcript"][int(since) :]
+        since = ascii_int_or_none(request.query_params.get("since", ""), 9)
+        if since is not None:
+            record["transcript_from"] = since
+            record["transcript"] = record["transcript"][since:]
         return JSONResponse(record)
 
     async def recording(self, request: Request) -> Response:

@@ -14,13 +14,14 @@ interface; this is the common part of its implementations):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 from starlette.requests import HTTPConnection
+
+from personaplex_voice import untrusted
 
 from .carrier import CallFacts, Hangup, Publish, Reply, Resume, Say, Step
 
@@ -80,11 +81,9 @@ TWIML_FIELDS = FactFields("CallSid", "From", "To", "Direction", "AccountSid")
 
 
 def json_fields(body: bytes, carrier: str) -> dict[str, str]:
-    """A JSON object body's plain values as strings; ValueError (the webhook is refused) for
-    anything but an object."""
-    data = json.loads(body)
-    if not isinstance(data, dict):
-        raise ValueError(f"a {carrier} webhook body is a JSON object")
+    """A JSON object body's plain values as strings; untrusted.InputRefused (a ValueError: the
+    webhook is refused) for anything but a JSON object within bounds."""
+    data = untrusted.loads_object(body, what=f"a {carrier} webhook body")
     return {
         k: str(v) for k, v in data.items() if isinstance(v, str | int | float) and not isinstance(v, bool)
     }

@@ -44,6 +44,9 @@ class StreamTicket:
     answer: Reply
     variables: dict[str, str] = field(default_factory=dict)  # the values the prompt was filled with
     facts: Any = None  # the call's CallFacts (for the stream's call control)
+    # Its stream ended before starting and its slot went back: it opens nothing any more, but
+    # stays the call's answer (a replayed answer webhook gets it) until it expires.
+    spent: bool = False
 
 
 @dataclass
@@ -94,13 +97,22 @@ class CallRegistry:
 
     def claim(self, ticket_id: str, call_id: str) -> StreamTicket | None:
         """What our answer issued this ticket for, taken once by the call it was issued for;
-        None when another process issued it (several front-ends behind one load balancer) or
-        it expired. Raises LookupError when it belongs to another call (it stays for its own)."""
+        None when another process issued it (several front-ends behind one load balancer), it
+        expired or was spent. Raises LookupError when it belongs to another call (it stays for
+        its own)."""
         self._expire()
         issued = self._tickets.get(ticket_id)
-        if issued is not None and issued.call_id and issued.call_id != call_id:
+        if issued is None or issued.spent:
+            return None
+        if issued.call_id and issued.call_id != call_id:
             raise LookupError(ticket_id)
         return self._forget(ticket_id)
+
+    def spend(self, ticket_id: str) -> None:
+        """The ticket's stream ended before its start (its reservation was given back)."""
+        issued = self._tickets.get(ticket_id)
+        if issued is not None:
+            issued.spent = True
 
     def tickets_for_call(self, call_id: str) -> list[str]:
         """Forget and return the tickets of a call (it ended before its stream started)."""

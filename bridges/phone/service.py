@@ -29,13 +29,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from personaplex_voice.engine.base import CapacityError, Persona, PersonaError, SaturatedError
 from personaplex_voice.errors import UserError
 from personaplex_voice.metrics import LabelledSnapshot
 from personaplex_voice.session_api import SessionHost
+from personaplex_voice.untrusted import InputRefused, ascii_int
 
 from .audio_path import InboundAudio, OutboundAudio
 from .carrier import (
@@ -66,6 +68,15 @@ from .webhooks import PostCallWebhooks, signed_headers
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
+# How long a webhook's body may take to arrive once its head has: the server's
+# PERSONAPLEX_HTTP_REQUEST_TIMEOUT_S (the head's limit, and /api/prompts' body's), else this.
+BODY_TIMEOUT_S = 10.0
+# What a carrier's parsing or signature check may raise on input it cannot read: the peer's
+# fault (a refusal and one WARNING line), never a 500.
+UNREADABLE = (ValueError, OverflowError, RecursionError)
+# A signature check that raises at all has not verified anything (TypeError too: a str compared
+# with one that has non-ASCII characters in it).
+UNVERIFIABLE = (*UNREADABLE, TypeError)
 ENDED_MESSAGE = "This call has ended."
 UNCONFIGURED_MESSAGE = "Sorry, this line is not configured."
 # The line rates calls come at: their resampling filters are designed when the service starts
@@ -73,14 +84,46 @@ UNCONFIGURED_MESSAGE = "Sorry, this line is not configured."
 LINE_RATES = (8000, 16000)
 
 
-async def read_body(request: Request) -> bytes | None:
-    """The request's body, or None past MAX_BODY_BYTES (no signature matches then: refused)."""
-    body = b""
-    async for piece in request.stream():
-        body += piece
-        if len(body) > MAX_BODY_BYTES:
-            return None
-    return body
+class _TooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, timeout_s: float = BODY_TIMEOUT_S, who: str = "phone") -> bytes:
+    """The request's whole body, within MAX_BODY_BYTES and `timeout_s`; HTTPException otherwise:
+    413 (too large), 408 (it stopped coming), 400 (the client left half way: INFO, not an error)."""
+    declared = request.headers.get("content-length")
+    try:
+        too_large = declared is not None and ascii_int(declared.strip()) > MAX_BODY_BYTES
+    except InputRefused:
+        too_large = True  # the HTTP parser takes only digits here; a number too long is too large
+    if too_large:
+        log.warning("%s: refused a webhook of %s bytes (at most %d)", who, declared, MAX_BODY_BYTES)
+        raise HTTPException(413, f"a webhook body is at most {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+
+    async def read() -> None:
+        async for piece in request.stream():
+            body.extend(piece)
+            if len(body) > MAX_BODY_BYTES:
+                raise _TooLarge
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except _TooLarge:
+        log.warning("%s: refused a webhook body over %d bytes", who, MAX_BODY_BYTES)
+        raise HTTPException(413, f"a webhook body is at most {MAX_BODY_BYTES} bytes") from None
+    except TimeoutError:
+        log.warning(
+            "%s: refused a webhook whose body did not arrive within %g s (%d bytes came)",
+            who,
+            timeout_s,
+            len(body),
+        )
+        raise HTTPException(408, f"the body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        log.info("%s: a webhook's client left before its body arrived", who)
+        raise HTTPException(400, "the body did not arrive") from None
+    return bytes(body)
 
 
 def form_fields(body: bytes) -> dict[str, str]:
@@ -238,20 +281,27 @@ class PhoneService:
             keys.append(server_key.get_secret_value())
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        return bool(given) and any(k and hmac.compare_digest(given, k) for k in keys)
+        # Bytes: comparing a str with non-ASCII characters (a forged header's) raises TypeError.
+        return bool(given) and any(k and hmac.compare_digest(given.encode(), k.encode()) for k in keys)
 
     # --- reading the carrier's requests ------------------------------------------------------
+    @property
+    def body_timeout_s(self) -> float:
+        server = getattr(self.app.state, "settings", None)
+        return float(getattr(server, "http_request_timeout_s", BODY_TIMEOUT_S))
+
     async def webhook(self, carrier: Carrier, request: Request) -> Webhook | None:
-        """The request as the carrier sent it, or None when it is not one of its (signature)."""
-        body = await read_body(request)
-        if body is None:
-            return None
+        """The request as the carrier sent it, or None when it is not one of its (signature).
+        A body that does not arrive whole, or that the carrier's format cannot read, raises
+        HTTPException (408, 413, 400) with one log line."""
+        body = await read_body(request, self.body_timeout_s, carrier.name)
         query = dict(request.query_params)
         content_type = request.headers.get("content-type", "")
         try:
             fields = carrier.fields(request.method, query, body, content_type)
-        except ValueError:
-            return None
+        except UNREADABLE as exc:
+            log.warning("%s: refused a webhook whose body is unreadable: %s", carrier.name, str(exc)[:200])
+            raise HTTPException(400, f"the body is not a {carrier.name} webhook's") from None
         webhook = Webhook(
             method=request.method,
             url=public_url_of(self.settings, request),
@@ -260,8 +310,17 @@ class PhoneService:
             body=body,
             fields=fields,
         )
-        if not self.settings.validate_signatures or carrier.verify(webhook):
-            return webhook
+        try:
+            if not self.settings.validate_signatures or carrier.verify(webhook):
+                return webhook
+        except UNVERIFIABLE as exc:
+            log.warning(
+                "%s: rejected a webhook with an unreadable signature for %s: %s",
+                carrier.name,
+                webhook.url,
+                str(exc)[:200],
+            )
+            return None
         log.warning(
             "%s: rejected a webhook with a missing or wrong signature for %s", carrier.name, webhook.url
         )
@@ -495,8 +554,19 @@ class PhoneService:
     # --- the stream ------------------------------------------------------------------------------
     async def media_stream(self, carrier: Carrier, ws: WebSocket) -> None:
         ticket = ws.path_params.get("ticket", "")
-        if self.settings.validate_signatures and not carrier.verify_upgrade(ws):
-            log.warning("%s: rejected a media stream upgrade with a missing or wrong signature", carrier.name)
+        try:
+            verified = not self.settings.validate_signatures or carrier.verify_upgrade(ws)
+        except UNVERIFIABLE as exc:
+            log.warning(
+                "%s: rejected a media stream upgrade with an unreadable signature: %s", carrier.name, exc
+            )
+            verified = False
+        else:
+            if not verified:
+                log.warning(
+                    "%s: rejected a media stream upgrade with a missing or wrong signature", carrier.name
+                )
+        if not verified:
             await ws.close(code=CLOSE_POLICY)  # before accept: the client gets HTTP 403
             return
         # The carrier's subprotocol when it offers it (jambonz opens with `audio.jambonz.org`).

@@ -27,6 +27,13 @@ and the wire tells the carrier yes or no (`accept` / `refuse`). Wires whose prot
 messages (a pong) leave them in `wire.replies`, sent after each message. All of it goes over the
 stream's link (link.py), never a socket of its own.
 
+A stream is bound to its call only by its ticket (`_bind`): at its start the ticket in its URL
+must be one our answer issued for the call the start names, unredeemed and unexpired (or a parked
+call's one-time resume token), and it is redeemed then, before anything is done for that call.
+Until then nothing the stream says (call ids, stream ids, parameters) reaches a journal, a
+record, the carrier's REST API or an action: a stream refused there is closed (1008) and logged,
+nothing more. A stream that ends before its start gives its call's reservation back at once.
+
 Anything malformed closes this call's socket and frees its slot; nothing here can block another
 call (every wait is bounded, every queue is bounded).
 """
@@ -54,7 +61,9 @@ from .caller_audio import CallerAudio
 from .carrier import (
     CHUNK_MS,
     CLOSE_ERROR,
+    CLOSE_INVALID_DATA,
     CLOSE_NORMAL,
+    CLOSE_POLICY,
     CLOSE_TOO_BIG,
     CallerMedia,
     CallHandle,
@@ -85,7 +94,7 @@ from .metrics import PhoneMetrics
 from .personas import DEFAULT_NAME, PersonaBook, PersonaSpec, plain_spec
 from .phone_call import CallOutputs, Parking, PhoneCall
 from .playout import Playout, SendFailed
-from .registry import CallRegistry
+from .registry import CallRegistry, StreamTicket
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +125,18 @@ def session_close_reason(call_end: str) -> str:
     if call_end in ("idle timeout", "no start message"):
         return "idle"
     return "client"
+
+
+@dataclass
+class _Binding:
+    """What binding a stream to its call found: the call itself when it comes back from a
+    message (parked), else what our answer issued for it (None: another front-end's answer) and
+    its session, opened with the ticket (None and `failure` when that failed)."""
+
+    parked: PhoneCall | None = None
+    issued: StreamTicket | None = None
+    session: CallSession | None = None
+    failure: str = ""
 
 
 @dataclass
@@ -212,7 +233,7 @@ class PhoneStream:
         self._main: asyncio.Task[Any] | None = None
         self._receiving = False
         self._started = False
-        self._opener: asyncio.Task[None] | None = None
+        self._opener: asyncio.Task[None] | None = None  # waits for the session's prompt
         self._ended: CallEnded | None = None
         self._actions: set[asyncio.Task[None]] = set()
         self._park_token: str | None = None  # set by a `play … then: resume` that went through
@@ -220,6 +241,7 @@ class PhoneStream:
         self._replies: list[Outgoing] | None = getattr(self.wire, "replies", None)
         self._line_paused = False  # the carrier said it stopped sending the caller's audio
         self._refused = False  # an in-stream admission said no (the wire told the carrier)
+        self._start_refused = False  # a start came whose ticket did not bind it to its call
 
     @property
     def record(self) -> Any:
@@ -296,20 +318,42 @@ class PhoneStream:
             size = len(raw.get("text") or raw.get("bytes") or b"")
             if size > limit:
                 raise ProtocolError(f"message of {size} bytes exceeds {limit}", CLOSE_TOO_BIG)
-            event = self.wire.parse(raw)
+            event = self._parse(raw)
             spent = time.perf_counter() - started
             if self._replies:
                 await self._send_replies()
             if event is None:
                 meter.add(spent)
                 continue
-            if isinstance(event, StreamStart) and not self.ticket and not self._started:
-                await self._admit(event)
+            if isinstance(event, StreamStart):
+                if self._started:
+                    raise ProtocolError("a second start on one stream")
+                if not self.ticket:
+                    await self._admit(event)
+                binding = await self._bind(event)
+                if binding.session is not None:
+                    self.session = binding.session  # closed by `_finish` whatever happens next
+                started = time.perf_counter()
+                self._on_start(event, binding)
+                meter.add(spent + time.perf_counter() - started)
+                continue
             started = time.perf_counter()
             done = self._handle(event)
             meter.add(spent + time.perf_counter() - started)
             if done:
                 return
+
+    def _parse(self, raw: Any) -> Any:
+        """The wire's event for one message. Input a wire could not read (a number that does not
+        fit, text that is not what it claims) is the peer's fault: a ProtocolError (1007), one
+        WARNING line, never a traceback."""
+        try:
+            return self.wire.parse(raw)
+        except ProtocolError:
+            raise
+        except (ValueError, OverflowError, RecursionError) as exc:
+            detail = f"{type(exc).__name__}: {str(exc)[:120]}"
+            raise ProtocolError(f"unreadable message ({detail})", CLOSE_INVALID_DATA) from None
 
     async def _send_replies(self) -> None:
         replies = self._replies
@@ -347,10 +391,7 @@ class PhoneStream:
                 raise
 
     def _handle(self, event: Any) -> bool:
-        """Dispatch one event; True when the stream is over."""
-        if isinstance(event, StreamStart):
-            self._on_start(event)
-            return False
+        """Dispatch one event (a start is `_bind` and `_on_start`); True when the stream is over."""
         if isinstance(event, StreamStop):
             return True  # before its start too: the caller hung up while it was connecting
         if not self._started:
@@ -375,21 +416,54 @@ class PhoneStream:
         log.info("%s %s: the line is %s", self.name, self.stream_sid, "paused" if paused else "resumed")
         self.services.registry.status(self.call_sid, self.name, "paused" if paused else "resumed")
 
-    def _on_start(self, start: StreamStart) -> None:
-        if self._started:
-            raise ProtocolError("a second start on one stream")
+    async def _bind(self, start: StreamStart) -> _Binding:
+        """Binds the stream to the call its start names, by its ticket; raises ProtocolError (1008)
+        for a ticket that is not one we issued for that call, unredeemed and unexpired: then
+        nothing at all is done for the call it names (no record, no REST request, no action).
+
+        A ticket our answer issued in this process for this very call binds the stream even when
+        its session then fails to open (the call is ours: it is told goodbye); one issued
+        elsewhere (another front-end) binds it only once its session has opened with it."""
+        services = self.services
+        parked = services.parking.take(self.ticket, start.call_id)
+        if parked is not None:  # the same call back from a `play … then: resume`
+            return _Binding(parked=parked)
+        try:
+            issued = services.registry.claim(self.ticket, start.call_id)
+        except LookupError:
+            self._start_refused = True  # the ticket stays its own call's
+            raise ProtocolError("ticket refused: it was issued for another call", CLOSE_POLICY) from None
+        manager = services.manager()
+        try:
+            if manager is None:
+                raise TicketError("the engine is not loaded")
+            # The persona (its prompt rendered for this call) is the one our answer reserved the
+            # slot for, carried by the ticket; the prompt itself goes in while the call starts.
+            session = await manager.open(None, ticket=self.ticket)
+        except Exception as exc:  # TicketError, CapacityError, PersonaError, EngineError
+            if issued is None:
+                self._start_refused = True
+                why = "unknown, used or expired" if isinstance(exc, TicketError) else f"no session ({exc})"
+                raise ProtocolError(f"ticket refused: {why}", CLOSE_POLICY) from None
+            if isinstance(exc, TicketError):
+                failure = "ticket refused"  # e.g. the worker holding it found itself full meanwhile
+            elif isinstance(exc, CapacityError):
+                failure = "no free slot"
+            else:
+                failure = f"session failed: {exc}"
+            return _Binding(issued=issued, failure=failure)
+        return _Binding(issued=issued, session=session)
+
+    def _on_start(self, start: StreamStart, binding: _Binding) -> None:
+        """The stream is bound (`_bind`): the call is set up, its session started."""
         services = self.services
         registry = services.registry
-        call = services.parking.take(self.ticket, start.call_id)
-        issued = None
-        if call is not None:  # the same call back from a `play … then: resume`
+        issued = binding.issued
+        call = binding.parked
+        if call is not None:
             call.new_stream(start.stream_id)
             registry.status(start.call_id, self.name, "stream-resumed")
         else:
-            try:
-                issued = registry.claim(self.ticket, start.call_id)
-            except LookupError:
-                raise ProtocolError("the stream ticket belongs to another call") from None
             params = dict(start.params)
             persona_name = issued.persona_name if issued is not None else params.get("persona", "")
             journal = registry.status(start.call_id, self.name, "stream-started", persona=persona_name)
@@ -432,9 +506,12 @@ class PhoneStream:
         if call.session is not None:
             self.session, self.session_ready = call.session, True
             self._sender = asyncio.create_task(self._send_loop())
+        elif binding.failure:
+            log.warning("%s %s: %s", self.name, self.stream_sid, binding.failure)
+            self._end(binding.failure, hang_up=True)
         else:
-            # Open the session without holding up the receive loop: prefill can take a while.
-            self._opener = asyncio.create_task(self._open_session())
+            # The prompt goes in without holding up the receive loop: prefill can take a while.
+            self._opener = asyncio.create_task(self._until_ready())
 
     def _spec(self, persona_name: str) -> PersonaSpec:
         spec = self.services.book.specs.get(persona_name)
@@ -442,26 +519,17 @@ class PhoneStream:
             spec = plain_spec(persona_name or DEFAULT_NAME, Persona())
         return spec
 
-    async def _open_session(self) -> None:
-        manager = self.services.manager()
+    async def _until_ready(self) -> None:
+        session = self.session
+        assert session is not None
         try:
-            # The persona (its prompt rendered for this call) is the one our answer reserved the
-            # slot for, carried by the ticket.
-            self.session = await manager.open(None, ticket=self.ticket)
-            await asyncio.wait_for(self.session.ready(), self.settings.ready_timeout_s)
-        except TicketError:
-            log.warning("%s %s: the stream's ticket is unknown, used or expired", self.name, self.stream_sid)
-            self._end("ticket refused", hang_up=True)
-            return
-        except CapacityError:
-            self._end("no free slot", hang_up=True)
-            return
+            await asyncio.wait_for(session.ready(), self.settings.ready_timeout_s)
         except Exception as exc:  # PersonaError, a prefill timeout or a bug: only this call ends
             log.warning("%s %s: session could not start: %s", self.name, self.stream_sid, exc)
             self._end(f"session failed: {exc}", hang_up=True)
             return
         if self.call is not None:
-            self.call.session_started(self.session)
+            self.call.session_started(session)
         self.session_ready = True
         self._sender = asyncio.create_task(self._send_loop())
 
@@ -570,9 +638,12 @@ class PhoneStream:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        parked = False
         call = self.call
-        if self._park_token and call is not None and self.session_ready and not self.session.closed:
+        if call is None:
+            await self._finish_unbound(reason, close_code)
+            return
+        parked = False
+        if self._park_token and self.session_ready and not self.session.closed:
             self.services.parking.park(self._park_token, call)  # the session waits for the caller
             parked = True
         elif self.session is not None:
@@ -586,6 +657,7 @@ class PhoneStream:
                 if clear is not None:
                     await self._send(clear)
                     self.playout.cleared()
+        # The call's last instructions: only ever for the call the ticket bound this stream to.
         control = self.carrier.control
         if self.call_sid and steps:
             outcome: Outcome = await control.instruct(self.handle, steps)
@@ -597,11 +669,11 @@ class PhoneStream:
             await self._farewell(reason)
         self.services.registry.live.pop(self._live_key, None)
         metrics = self.metrics()
-        if call is not None:  # before the socket closes: whoever saw the call end finds its record
-            call.journal.set_metrics(metrics)
-            self.services.registry.status(self.call_sid, self.name, "stream-ended")
-            if not parked:
-                await call.finish(reason, metrics)
+        # Before the socket closes: whoever saw the call end finds its record.
+        call.journal.set_metrics(metrics)
+        self.services.registry.status(self.call_sid, self.name, "stream-ended")
+        if not parked:
+            await call.finish(reason, metrics)
         if connected:
             await self.link.close(close_code, reason)
         log.info(
@@ -615,6 +687,27 @@ class PhoneStream:
         warning = slips_warning(metrics["dropped_ms"], metrics["inserted_ms"])
         if warning:
             log.warning("%s %s: call %s %s", self.name, self.stream_sid, self.call_sid, warning)
+
+    async def _finish_unbound(self, reason: str, close_code: int) -> None:
+        """The end of a stream that never bound to a call: nothing was done for any call and
+        nothing is now (no REST request, no record). Its ticket's reservation goes back at once
+        (the carrier retries or gives up; a replayed answer webhook still gets the same answer
+        while the ticket lasts), unless a start was refused: that ticket is not its to give back."""
+        if self.session is not None:  # its call could not be set up: the session must not outlive it
+            with contextlib.suppress(Exception):
+                await self.session.close(reason=session_close_reason(reason))
+        if self.ticket and not self._start_refused:
+            manager = self.services.manager()
+            released = manager is not None and manager.cancel(self.ticket)
+            self.services.registry.spend(self.ticket)
+            if released:
+                log.info(
+                    "%s: a stream ended before its start: its call's reservation is free again", self.name
+                )
+        if self.link.open:
+            await self._farewell(reason)
+            await self.link.close(close_code, reason)
+        log.info("%s: a stream ended before its start (%s)", self.name, reason)
 
     async def _farewell(self, reason: str) -> None:
         """The wire's last words, where its protocol has them (Genesys's `disconnect`), then what
@@ -638,7 +731,7 @@ class PhoneStream:
                 return
             if len(raw.get("text") or raw.get("bytes") or b"") > limit:
                 return
-            event = self.wire.parse(raw)
+            event = self._parse(raw)
             if self._replies:
                 await self._send_replies()
             if isinstance(event, StreamStop):

@@ -13,6 +13,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from personaplex_voice import untrusted
+
 from .carrier import (
     CLOSE_INVALID_DATA,
     CallerMedia,
@@ -26,6 +28,10 @@ from .carrier import (
 
 DTMF_KEYS = frozenset("0123456789*#ABCD")
 CALLER_TRACKS = ("inbound", "inbound_track")  # a stream may carry other tracks: only these are the caller
+# A stream's JSON messages: the stream refuses one over its own byte limit first (1009,
+# PERSONAPLEX_PHONE_MAX_MESSAGE_BYTES); depth and numbers are bounded here (1007).
+MESSAGE_LIMITS = untrusted.JsonLimits(max_bytes=16 << 20)
+COUNTER_DIGITS = 18  # a carrier's counter given as text (chunk, sequence number, rate)
 
 
 def json_message(raw: Mapping[str, Any], event_key: str = "event") -> dict[str, Any]:
@@ -36,11 +42,16 @@ def json_message(raw: Mapping[str, Any], event_key: str = "event") -> dict[str, 
     return json_text(text, event_key)
 
 
-def json_text(text: str, event_key: str = "event") -> dict[str, Any]:
+def json_value(text: str) -> Any:
+    """A stream's JSON text message, bounded (untrusted.loads), or a ProtocolError (1007)."""
     try:
-        message = json.loads(text)
-    except ValueError:
-        raise ProtocolError("message is not valid JSON", CLOSE_INVALID_DATA) from None
+        return untrusted.loads(text, MESSAGE_LIMITS)
+    except untrusted.InputRefused as exc:
+        raise ProtocolError(f"message refused: {exc}", CLOSE_INVALID_DATA) from None
+
+
+def json_text(text: str, event_key: str = "event") -> dict[str, Any]:
+    message = json_value(text)
     if not isinstance(message, dict) or not isinstance(message.get(event_key), str):
         raise ProtocolError(f"message is not a JSON object with an `{event_key}`", CLOSE_INVALID_DATA)
     return message
@@ -63,13 +74,13 @@ def text_field(values: Mapping[str, Any], key: str, what: str) -> str:
 
 
 def number(value: Any) -> int | None:
-    """A carrier's counter (a number, or a string of digits), or None."""
+    """A carrier's counter (a number, or a string of ASCII digits), or None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
+        return value  # a decoded message's: within 64 bits (untrusted.loads)
+    if isinstance(value, str):
+        return untrusted.ascii_int_or_none(value, COUNTER_DIGITS)
     return None
 
 
@@ -156,6 +167,8 @@ class JsonStreamWire:
                 raise ProtocolError("a second `start` on one stream")
             return self.start(message)
         if not self.stream_id:
+            if event == "stop":
+                return StreamStop()  # the caller hung up while the stream was connecting
             raise ProtocolError(f"`{event}` before `start`")
         named = message.get(self.stream_key)
         if named != self.stream_id and (named is not None or self.stream_key_required):

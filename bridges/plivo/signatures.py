@@ -66,4 +66,5 @@ def verify(auth_token: str, method: str, url: str, headers: Mapping[str, str], f
     if not auth_token or not given or not nonce:
         return False
     expected = signature(auth_token, method, url, nonce, form)
-    return any(hmac.compare_digest(expected, candidate.strip()) for candidate in given.split(","))
+    # Bytes: comparing a str with non-ASCII characters (a forged header's) raises TypeError.
+    return any(hmac.compare_digest(expected.encode(), c.strip().encode()) for c in given.split(","))

@@ -29,6 +29,8 @@ from personaplex_phone.carrier import (
     StreamStop,
 )
 
+from personaplex_voice import untrusted
+
 
 def audio_format(content_type: str, rate: int | None = None) -> AudioFormat:
     """`audio/x-l16;rate=16000` (or an encoding and a separate rate) as the call's format."""
@@ -53,8 +55,8 @@ def extra_headers(value: Any) -> dict[str, str]:
     if not isinstance(value, str) or not value.strip():
         return {}
     try:
-        parsed = json.loads(value)
-    except ValueError:
+        parsed = untrusted.loads(value)
+    except untrusted.InputRefused:
         pairs = (item.partition("=") for item in value.split(","))
         return {unquote(k.strip()): unquote(v.strip()) for k, sep, v in pairs if sep and k.strip()}
     return j.string_map(parsed)

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from personaplex_phone.service import read_body
 from personaplex_phone.urls import public_base
 from pydantic import BaseModel, Field
 
 from personaplex_voice.engine.base import PersonaError
 from personaplex_voice.errors import UserError
+from personaplex_voice.untrusted import ascii_int_or_none, loads
 
 from . import twiml
 from .calls import WHISPER_PATH
@@ -49,9 +51,10 @@ def twilio_routes(service: PhoneService, carrier: TwilioCarrier) -> APIRouter:
     async def place_call(request: Request) -> Response:
         if not service.authorized(request):
             return JSONResponse({"error": "unauthorized"}, status_code=401)
+        raw = await read_body(request, service.body_timeout_s, carrier.name)
         try:
-            body = OutboundCall.model_validate(await request.json())
-        except Exception as exc:
+            body = OutboundCall.model_validate(loads(raw))
+        except ValueError as exc:  # InputRefused, pydantic's ValidationError
             return JSONResponse({"error": f"bad request: {exc}"}, status_code=400)
         token = None
         persona_name = body.persona or service.book.default
@@ -98,8 +101,9 @@ def twilio_routes(service: PhoneService, carrier: TwilioCarrier) -> APIRouter:
         spec = service.book.specs.get(request.query_params.get("persona", ""))
         rule_index = request.query_params.get("rule", "")
         message = None
-        if spec is not None and rule_index.isdigit() and int(rule_index) < len(spec.actions):
-            message = spec.actions[int(rule_index)].whisper
+        index = ascii_int_or_none(rule_index, 6)
+        if spec is not None and index is not None and index < len(spec.actions):
+            message = spec.actions[index].whisper
         return Response(twiml.say_only(message) if message else "<Response/>", media_type=XML)
 
     router = APIRouter()

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from personaplex_voice import untrusted
+
 # WebSocket close codes (RFC 6455)
 CLOSE_NORMAL = 1000
 CLOSE_INVALID_DATA = 1007
@@ -45,9 +47,9 @@ def parse_message(raw: dict[str, Any], max_bytes: int) -> dict[str, Any]:
     if len(text) > max_bytes:
         raise ProtocolError(f"message of {len(text)} bytes exceeds {max_bytes}", CLOSE_TOO_BIG)
     try:
-        message = json.loads(text)
-    except ValueError:
-        raise ProtocolError("message is not valid JSON", CLOSE_INVALID_DATA) from None
+        message = untrusted.loads(text, untrusted.JsonLimits(max_bytes=max_bytes))
+    except untrusted.InputRefused as exc:
+        raise ProtocolError(f"message refused: {exc}", CLOSE_INVALID_DATA) from None
     if not isinstance(message, dict) or not isinstance(message.get("event"), str):
         raise ProtocolError("message is not a JSON object with an `event`", CLOSE_INVALID_DATA)
     return message
@@ -104,7 +106,7 @@ def media_payload(media: dict[str, Any]) -> bytes:
 def media_chunk(media: dict[str, Any]) -> int | None:
     """Twilio's running chunk number of a `media` section (a string of digits), if present."""
     chunk = media.get("chunk")
-    return int(chunk) if isinstance(chunk, str) and chunk.isdigit() else None
+    return untrusted.ascii_int_or_none(chunk) if isinstance(chunk, str) else None
 
 
 def dtmf_digit(dtmf: dict[str, Any]) -> str:

@@ -10,6 +10,8 @@ with the application's private key (`application_id`, `iat`, `exp`, `jti`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import secrets
@@ -18,17 +20,38 @@ from collections.abc import Mapping
 
 import jwt
 
+from personaplex_voice import untrusted
+
+# A token's header and claims: small objects, read with the bounded reader before PyJWT reads
+# them with the standard one; `iat` is a time in Unix seconds, not any number.
+JWT_LIMITS = untrusted.JsonLimits(max_bytes=8192, max_depth=8)
+MAX_IAT = 2.0**40
+
 
 def bearer(headers: Mapping[str, str]) -> str:
     value = headers.get("authorization", "")
     return value[7:].strip() if value.lower().startswith("bearer ") else ""
 
 
+def readable(token: str) -> bool:
+    """The token's header and claims are JSON objects within JWT_LIMITS."""
+    parts = token.split(".")
+    if len(parts) != 3:
+        return False
+    try:
+        for part in parts[:2]:
+            padded = part + "=" * (-len(part) % 4)
+            untrusted.loads_object(base64.urlsafe_b64decode(padded), JWT_LIMITS, "a JWT part")
+    except (ValueError, binascii.Error):  # InputRefused is a ValueError
+        return False
+    return True
+
+
 def verify(
     secret: str, headers: Mapping[str, str], body: bytes, max_age_s: float, now: float | None = None
 ) -> bool:
     token = bearer(headers)
-    if not secret or not token:
+    if not secret or not token or not readable(token):
         return False
     try:
         claims = jwt.decode(
@@ -36,14 +59,14 @@ def verify(
         )
     except jwt.PyJWTError:
         return False
-    issued = claims.get("iat")
-    if not isinstance(issued, int | float) or abs((time.time() if now is None else now) - issued) > max_age_s:
+    issued = untrusted.finite_number(claims.get("iat"), 0.0, MAX_IAT)
+    if issued is None or abs((time.time() if now is None else now) - issued) > max_age_s:
         return False
     claimed = claims.get("payload_hash")
     if body or claimed is not None:
         if not isinstance(claimed, str):
             return False
-        return hmac.compare_digest(claimed.lower(), hashlib.sha256(body).hexdigest())
+        return hmac.compare_digest(claimed.lower().encode(), hashlib.sha256(body).hexdigest().encode())
     return True
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from personaplex_voice import untrusted
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
     CapacityError,
@@ -45,6 +46,7 @@ from personaplex_voice.engine.scheduler import TicketError
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<IBI")
 MAX_BODY = 4 << 20  # far above any real message (a frame is ~8 KiB, a persona a few KiB)
+CONTROL_LIMITS = untrusted.JsonLimits(max_bytes=MAX_BODY)
 FRAME_BYTES = FRAME_SIZE * 4  # float32 samples
 
 _STAMPED_AUDIO = struct.Struct("<d")  # the sender's time.monotonic(), then float32 samples
@@ -88,10 +90,11 @@ def json_message(kind: Kind, channel: int, payload: dict[str, Any]) -> bytes:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
+    # The bounded reader: a HELLO is read before its secret is checked.
     try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, ValueError):
-        raise WireError("a control message is not valid JSON") from None
+        value = untrusted.loads(body, CONTROL_LIMITS)
+    except untrusted.InputRefused as exc:
+        raise WireError(f"a control message is not valid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise WireError("a control message is not a JSON object")
     return value

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from personaplex_voice import untrusted
 from personaplex_voice.metrics import LabelledSnapshot
 from personaplex_voice.process import runtime
 from personaplex_voice.process.engine_loader import load_engine, warm_engine
@@ -245,7 +245,8 @@ async def _store_prompt(request: Request) -> JSONResponse:
 
 async def _bounded_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+    size = untrusted.ascii_int_or_none(declared) if declared is not None else 0
+    if size is None or size > limit:
         raise HTTPException(status_code=413, detail=f"a stored prompt is at most {limit} bytes")
     body = bytearray()
 
@@ -272,9 +273,9 @@ def _prompt_text(body: bytes, content_type: str) -> str:
     if not content_type.split(";")[0].strip().lower().endswith("json"):
         return text
     try:
-        data = json.loads(text)
-    except ValueError:
-        raise HTTPException(status_code=400, detail="the body is not valid JSON") from None
+        data = untrusted.loads(text, untrusted.JsonLimits(max_bytes=len(text)))
+    except untrusted.InputRefused as exc:
+        raise HTTPException(status_code=400, detail=f"the body is not valid JSON ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("text_prompt"), str):
         raise HTTPException(status_code=400, detail='send {"text_prompt": "..."} (a JSON object)')
     return data["text_prompt"]

@@ -28,6 +28,7 @@ from enum import IntEnum
 from typing import Any
 from urllib.parse import urlencode
 
+from personaplex_voice import untrusted
 from personaplex_voice.engine.base import Persona, PersonaError, Sampling
 
 PROTOCOL_VERSION = 0
@@ -64,7 +65,8 @@ class Message:
         return self.payload.decode("utf-8", errors="replace")
 
     def json(self) -> Any:
-        return json.loads(self.payload.decode("utf-8"))
+        """The payload as JSON (a peer's: bounded, untrusted.loads; InputRefused is a ValueError)."""
+        return untrusted.loads(self.payload)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message | None:
