@@ -550,3 +550,39 @@ def test_asterisk_audiosocket_frames_as_the_protocol_describes() -> None:
     assert bytes.fromhex(frames["hangup"]) == asock.HANGUP
     (error,), _ = asock.decode_all(bytes.fromhex(frames["error_code_1"]))
     assert error.kind == asock.KIND_ERROR
+
+
+# --- the simulators ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "carrier", ["twilio", "telnyx", "plivo", "vonage", "exotel", "genesys", "jambonz", "asterisk"]
+)
+def test_no_simulator_imports_the_bridge_it_tests(carrier) -> None:
+    """A simulator and the code it tests never share a helper that encodes the rule under test:
+    each carrier's simulator imports nothing of its own carrier's package (Asterisk's only its
+    own `sim_wire`, written from Asterisk's docs), and cites its sources."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "bridges" / carrier
+    for name in ("sim.py", "simulate.py"):
+        path = root / name
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text())
+        relative = [
+            alias.name if node.module is None else node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level > 0
+            for alias in node.names
+        ]
+        absolute = [
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith(f"personaplex_{carrier}")
+        ]
+        # (Asterisk's command line reads its --audiosocket HOST:PORT with the carrier's parser.)
+        assert set(relative) <= {"sim_wire", "config"} and not absolute, (path, relative, absolute)
+        assert re.search(r"[a-z0-9-]+\.(com|org|cloud)\b", ast.get_docstring(tree) or ""), path

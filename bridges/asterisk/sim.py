@@ -9,6 +9,10 @@ JSON on request), BINARY frames in the channel's format, `DTMF_END`; `MARK_MEDIA
 `MEDIA_MARK_PROCESSED` once played, `FLUSH_MEDIA` dropping the queue and its marks unanswered.
 The caller hangs up by closing the socket. Asterisk sends no status webhooks: its "status" is
 the dialplan asking for its next step.
+
+Sources: docs.asterisk.org ("WebSocket channel driver": media and control frames, both control
+formats, the `media` subprotocol); the protocol itself is spoken through sim_wire.py, written
+from those docs, never through the bridge's media_ws.py.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ It does what a dialplan and Asterisk do for one call:
 Both kinds of call keep what the caller heard on the call's timeline (`heard_audio`): sample 0
 is when the caller's first audio was sent. Network I/O is aiohttp's (the phone extra), so the
 command works wherever the server does.
+
+Sources: docs.asterisk.org ("AudioSocket"; "WebSocket channel driver") and the AudioSocket
+protocol's README (github.com/CyCoreSystems/audiosocket); both protocols through sim_wire.py,
+written from them, never through the bridge's audiosocket.py or media_ws.py.
 """
 
 from __future__ import annotations
