@@ -532,6 +532,24 @@ def test_jambonz_signatures_interoperate_with_the_node_clients_algorithm() -> No
     assert ours.endswith(node_client_signature(secret, reserialized, t))
 
 
+def test_jambonz_new_call_webhook_fields_replay() -> None:
+    from personaplex_jambonz.carrier import JambonzCarrier
+    from personaplex_jambonz.config import JambonzSettings
+
+    example = fixture("jambonz", "call_hook.json")["body"]
+    carrier = JambonzCarrier(JambonzSettings(webhook_secret="s"), publish=None, validate=True)
+    body = json.dumps(example).encode()
+    fields = carrier.fields("POST", {}, body, "application/json")
+    facts = carrier.facts(Webhook("POST", "https://x.test/jambonz/call", {}, {}, body, fields))
+    assert (facts.call_id, facts.from_, facts.to, facts.direction, facts.account) == (
+        example["call_sid"],
+        "+15085551212",
+        "+15083871234",
+        "inbound",
+        example["account_sid"],
+    )
+
+
 # --- Asterisk -----------------------------------------------------------------------------------
 
 
