@@ -176,6 +176,11 @@ class CallSession(Protocol):
     def frames(self) -> AsyncIterator[OutFrame]:
         """Output frames as they are made; ends once the session ended and all were taken."""
 
+    def expect_input_pieces(self, seconds: float) -> None:
+        """The caller's audio comes in pieces of about `seconds` (longer than a frame: a carrier's
+        100 ms messages); call before the first push. What such pieces leave queued between ticks
+        is their own cushion, neither caught up as a start burst nor trimmed."""
+
     def seconds_to_next_tick(self) -> float | None:
         """When the engine next takes an input frame (None while its clock is idle)."""
 

@@ -68,6 +68,11 @@ __all__ = [
 ]
 
 
+# Input pieces up to 250 ms are taken as a client's own cushion (`Session.expect_input_pieces`):
+# longer ones would hide a real burst.
+MAX_PIECE_CUSHION_FRAMES = 2
+
+
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -99,6 +104,9 @@ class SessionStream:
         # held right after `ready`); a longer allowance must not widen that window.
         frames = config.start_burst_frames
         self._burst = StartBurst(frames, window_ticks=min(frames, config.max_input_samples // FRAME_SIZE))
+        # Whole frames the client's own input pieces leave spare between ticks (`expect_pieces`):
+        # neither a start burst to catch up nor late input to trim.
+        self._piece_cushion = 0
         self.counts = {
             "frames_in": 0,
             "frames_out": 0,
@@ -124,6 +132,16 @@ class SessionStream:
             if dropped:
                 self.counts["dropped_input_samples"] += dropped
             return dropped
+
+    def expect_pieces(self, samples: int) -> None:
+        """The client pushes its input in pieces of about `samples` (a carrier's 100 ms messages):
+        after some ticks up to ceil(piece / frame) - 1 whole frames stay queued that the next
+        ticks take before the next piece comes. They are the client's cushion: catching them up
+        as a start burst would leave the next tick nothing (silence put in, and the call one frame
+        later for good, each time), trimming them would drop its audio."""
+        frames = -(-max(0, samples) // FRAME_SIZE) - 1
+        with self._lock:
+            self._piece_cushion = min(max(0, frames), MAX_PIECE_CUSHION_FRAMES)
 
     def count_pre_ready(self, samples: int) -> None:
         """Input the bound dropped before the session ran (its caller's first words)."""
@@ -209,6 +227,7 @@ class SessionStream:
         frame phase is kept; a start burst's frames are exempt (catch-up steps take them)."""
         with self._lock:
             spare = len(self._input) // FRAME_SIZE
+            spare -= min(spare, self._piece_cushion)  # the client's own cushion stays as it is
             spare -= self._burst.after_tick(spare)
             drop = self._spare.frames_to_drop(spare, slack_frames, settle_ticks)
             if drop:
@@ -375,6 +394,14 @@ class Session(RecordReadout):
                 return
             else:
                 await fut
+
+    def expect_input_pieces(self, seconds: float) -> None:
+        """The transport pushes the caller's audio in pieces of about `seconds` (a carrier that
+        sends 100 ms messages): the whole frames such a piece leaves queued between ticks are
+        its cushion, kept for the ticks before the next piece, neither caught up as a start
+        burst nor trimmed (docs/sessions.md). Call it before the first push; 0 for frame-sized
+        or smaller pieces (the default)."""
+        self._stream.expect_pieces(round(max(0.0, seconds) * SAMPLE_RATE))
 
     def seconds_to_next_tick(self) -> float | None:
         """How long until the engine's next tick takes an input frame (None while its clock is

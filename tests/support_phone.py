@@ -52,6 +52,7 @@ VONAGE_PEM = VONAGE_KEY.private_bytes(
     serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
 ).decode()
 EXOTEL_KEY, EXOTEL_TOKEN, EXOTEL_SID = "phone-test-exotel-key", "phone-test-exotel-token", "acme1"
+EXOTEL_ANSWER_TOKEN = "phone-test-exotel-answer-token"
 JAMBONZ_SECRET = "phone-test-jambonz-webhook-secret"
 GENESYS_KEY = "phone-test-genesys-api-key"
 GENESYS_SECRET = base64.b64encode(b"phone-test-genesys-client-key-01").decode()
@@ -64,7 +65,7 @@ def carrier_side(name: str, **options: Any) -> Any:
         "telnyx": {"private_key": TELNYX_PRIVATE},
         "plivo": {"auth_id": PLIVO_ID, "auth_token": PLIVO_TOKEN},
         "vonage": {"signature_secret": VONAGE_SECRET},
-        "exotel": {"api_key": EXOTEL_KEY, "api_token": EXOTEL_TOKEN},
+        "exotel": {"api_key": EXOTEL_KEY, "api_token": EXOTEL_TOKEN, "answer_token": EXOTEL_ANSWER_TOKEN},
         "asterisk": {"api_key": API_TOKEN},
         "jambonz": {"webhook_secret": JAMBONZ_SECRET},
         "genesys": {"api_key": GENESYS_KEY, "client_secret": GENESYS_SECRET},
@@ -79,7 +80,11 @@ def wrong_side(name: str) -> Any:
         "telnyx": {"private_key": keypair()[0]},
         "plivo": {"auth_id": PLIVO_ID, "auth_token": "not-the-token"},
         "vonage": {"signature_secret": "not-the-server's-signature-secret-but-long-enough"},
-        "exotel": {"api_key": EXOTEL_KEY, "api_token": "not-the-token"},
+        "exotel": {
+            "api_key": EXOTEL_KEY,
+            "api_token": "not-the-token",
+            "answer_token": "not-the-answer-token",
+        },
         "asterisk": {"api_key": "not-the-api-token"},
         "jambonz": {"webhook_secret": "not-the-secret"},
         "genesys": {"api_key": "not-the-key", "client_secret": GENESYS_SECRET},
@@ -117,6 +122,7 @@ def carrier_env(api_url: str | None, personas_file: str) -> dict[str, str]:
         "EXOTEL_API_KEY": EXOTEL_KEY,
         "EXOTEL_API_TOKEN": EXOTEL_TOKEN,
         "EXOTEL_ACCOUNT_SID": EXOTEL_SID,
+        "PERSONAPLEX_EXOTEL_ANSWER_TOKEN": EXOTEL_ANSWER_TOKEN,
         "JAMBONZ_WEBHOOK_SECRET": JAMBONZ_SECRET,
         "GENESYS_API_KEY": GENESYS_KEY,
         "GENESYS_CLIENT_SECRET": GENESYS_SECRET,

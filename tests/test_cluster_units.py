@@ -121,3 +121,40 @@ def test_backoff_doubles_up_to_its_cap_and_resets_after_a_good_run():
     backoff = Backoff(initial=0.5, maximum=4.0, reset_after=60.0)
     assert [backoff.delay(1.0) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     assert backoff.delay(120.0) == 0.5
+
+
+def test_input_pieces_cross_the_wire_before_the_first_frame():
+    """A phone call whose carrier sends 100 ms messages tells its session so (issue 27); on a
+    cluster the front-end tells the worker's session, before any of the input reaches it."""
+    import asyncio
+
+    from personaplex_voice.cluster.remote_session import RemoteSession, RemoteSessionConfig
+
+    reader = MessageReader()
+    (kind, channel, body), *_ = reader.feed(wire.pieces_message(4, 2400))
+    assert (kind, channel, wire.parse_pieces(body)) == (Kind.PIECES, 4, 2400)
+    with pytest.raises(WireError, match="4 bytes"):
+        wire.parse_pieces(b"\x00")
+
+    class Channel:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, int]] = []
+
+        def send_pieces(self, samples: int) -> None:
+            self.sent.append(("pieces", samples))
+
+        def send_audio(self, frame, sent_at: float) -> None:
+            self.sent.append(("audio", len(frame)))
+
+    loop = asyncio.new_event_loop()
+    try:
+        config = RemoteSessionConfig(realtime=True, output_frames=8, max_input_samples=24000)
+        session = RemoteSession(config, None, loop=loop, on_end=lambda *_: None)
+        session.expect_input_pieces(0.1)
+        session.push(np.zeros(2400, np.float32))  # held: the worker does not hold the session yet
+        channel = Channel()
+        session.placing(channel)
+        session.worker_opened({})
+        assert channel.sent == [("pieces", 2400), ("audio", FRAME_SIZE)]
+    finally:
+        loop.close()

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -65,6 +66,9 @@ from personaplex_voice.audio.resample import resample
 pytestmark = pytest.mark.timeout(300)
 
 TRANSFER_TO = "+15551230099"
+# Most of ours a carrier holds: ~100 ms, or two of the carrier's longer messages (Exotel's chunk
+# rule asks for 3.2 KB at least: 200 ms at 8 kHz).
+QUEUED_BOUND_S = {"exotel": 0.405}
 PERSONAS = """
 default: desk
 personas:
@@ -124,8 +128,10 @@ async def test_unsigned_or_wrongly_signed_answer_webhooks_are_refused(server, ca
     good = sim.side.answer_request(PUBLIC_URL, sim.new_call_id(), "+15550100001", "+15550100002")
     signing = {"x-twilio-signature", "telnyx-signature-ed25519", "telnyx-timestamp", "authorization"}
     signing |= {"x-plivo-signature-v3", "x-plivo-signature-v3-nonce"}
+    # Exotel's HTTPS fetches carry our answer token in their query instead (Exotel signs nothing)
+    path = re.sub(r"([?&])token=[^&]*&?", r"\1", good.path)
     unsigned = HttpRequest(
-        good.method, good.path, {k: v for k, v in good.headers.items() if k.lower() not in signing}, good.body
+        good.method, path, {k: v for k, v in good.headers.items() if k.lower() not in signing}, good.body
     )
     forged = wrong_side(carrier).answer_request(PUBLIC_URL, sim.new_call_id(), "+15550100001", "+15550100002")
     for request in (unsigned, forged):
@@ -193,14 +199,16 @@ async def test_a_signed_call_echoes_and_hanging_up_frees_the_slot(server, sink, 
     print(f"{carrier}: {formats}, echo similarity {similarity:.3f}")
     assert similarity >= 0.8
     # What the caller hears never lags by more than ~100 ms of ours queued at the carrier (a
-    # caller who barges in hears the agent stop that soon), and marks came back as it played.
-    assert call.max_queued_s <= 0.105 and len(call.marks_echoed) >= 20
+    # caller who barges in hears the agent stop that soon; Exotel: two of the 200 ms messages its
+    # chunk rule asks for), and marks came back as it played.
+    assert call.max_queued_s <= QUEUED_BOUND_S.get(carrier, 0.105) and len(call.marks_echoed) >= 20
+    assert not getattr(sim.side, "bad_chunks", [])  # Exotel: every message of ours by its chunk rule
     await wait_idle(server)  # the caller hung up: the slot is free
     record = await asyncio.to_thread(record_of, server, call_id)
     assert record["carrier"] == carrier and record["call_sid"] == call_id and record["end_reason"] == "stop"
     assert record["prompt"].endswith("5550100002.")  # the template, filled from the carrier's facts
     assert record["metrics"]["audio_in"] == offer.inbound.describe()
-    assert 0 < record["metrics"]["queued_ms_marks_max"] <= 110
+    assert 0 < record["metrics"]["queued_ms_marks_max"] <= 1000 * QUEUED_BOUND_S.get(carrier, 0.105) + 5
     # The post-call webhook carries the carrier's call id, signed.
     await wait_for(
         lambda: any(json.loads(r.body)["call_sid"] == call_id for r in sink.received), what="webhook"
@@ -210,6 +218,42 @@ async def test_a_signed_call_echoes_and_hanging_up_frees_the_slot(server, sink, 
     assert body["carrier"] == carrier and body["end_reason"] == "stop"
     expected = "sha256=" + hmac.new(WEBHOOK_SECRET.encode(), delivery.body, hashlib.sha256).hexdigest()
     assert hmac.compare_digest(expected, delivery.headers["x-personaplex-signature"])
+
+
+def echo_lags(sent: np.ndarray, heard: np.ndarray, rate: int) -> list[int]:
+    """Each 0.5 s block's lag (samples) in what was heard, searched within 1 s."""
+    from scipy.signal import correlate
+
+    block = rate // 2
+    lags = []
+    for start in range(0, len(sent) - block, block):
+        a, b = sent[start : start + block], heard[start : start + block + rate]
+        if len(b) >= block + rate and np.linalg.norm(a) > 0:
+            lags.append(int(np.argmax(correlate(b, a, mode="valid"))))
+    return lags
+
+
+async def test_an_exotel_caller_who_talks_at_once_hears_a_steady_echo(server) -> None:
+    """Exotel's ~100 ms caller messages, the caller talking from its first message (no line
+    silence first, as a caller who says "hello?" at once): the echo's delay stays put. It used to
+    grow by a frame three times in the first second (the session caught up the frames 100 ms
+    pieces leave queued as a start burst, then ran dry), which an independent client measured as
+    a correlation of 0.52-0.76 over the call."""
+    await wait_idle(server)
+    sim = simulator(server, "exotel")
+    offer = await sim.answer()
+    rate = offer.inbound.rate
+    speech = speechlike(3.0, rate, seed=9)
+    async with sim.stream(offer) as call:
+        await call.play(speech)
+        await call.play(np.zeros(rate, np.float32))
+    lags = echo_lags(speech, call.heard(), rate)
+    print(f"exotel, talking at once: echo lags {[round(1000 * g / rate) for g in lags]} ms")
+    assert len(lags) >= 5
+    # A starved machine may slip one frame; the old behaviour slipped three (240 ms).
+    assert (max(lags) - min(lags)) / rate < 0.16, lags
+    assert not sim.side.bad_chunks
+    await wait_idle(server)
 
 
 def transfer_request_of(carrier: str, apis: FakeCarrierApis, sim: PhoneSimulator, call_id: str, before: int):
@@ -266,8 +310,9 @@ async def test_a_dtmf_key_transfers_through_the_carriers_api(server, apis, carri
         assert status == 200
         target = ET.fromstring(document).find("./Dial/Number").text
     assert target == TRANSFER_TO
-    # The interruption cleared what the carrier held of ours: at most ~100 ms, never heard.
-    assert call.clears == 1 and call.dropped_by_clear_s[0] <= 0.105
+    # The interruption cleared what the carrier held of ours: at most ~100 ms (Exotel: its two
+    # messages), never heard.
+    assert call.clears == 1 and call.dropped_by_clear_s[0] <= QUEUED_BOUND_S.get(carrier, 0.105)
     record = await asyncio.to_thread(record_of, server, offer.call_id)
     (action,) = record["actions"]
     assert action["ok"] and action["trigger"] == "dtmf 0" and action["action"] == "transfer"
@@ -307,7 +352,8 @@ async def heard_echo(
 
 async def test_a_wideband_call_keeps_what_narrowband_loses(server) -> None:
     """Speech-band noise with energy from 4.5 to 6.5 kHz: the 16 kHz L16 calls' echo keeps it,
-    the 8 kHz μ-law call's has none (the line cannot carry it)."""
+    the 8 kHz μ-law call's has none (the line cannot carry it). (Telnyx answers in PCMU 8 kHz by
+    default, TeXML's documented codec; its L16 opt-in is checked in test_phone_conformance.)"""
     rng = np.random.default_rng(11)
     n = 3 * 16000
     spectrum = np.fft.rfft(rng.standard_normal(n))
@@ -317,12 +363,7 @@ async def test_a_wideband_call_keeps_what_narrowband_loses(server) -> None:
     signal = (0.25 * signal / np.max(np.abs(signal))).astype(np.float32)
     sent = band_ratio(signal, 16000, 4500, 6500)
     ratios = {}
-    for carrier, options in (
-        ("twilio", {}),
-        ("vonage", {}),
-        ("plivo", {}),
-        ("telnyx", {"inbound_codec": "L16", "inbound_rate": 16000}),
-    ):
+    for carrier, options in (("twilio", {}), ("vonage", {}), ("plivo", {})):
         heard, audio = await heard_echo(server, carrier, signal, **options)
         middle = heard[16000 // 2 : 16000 // 2 + 2 * 16000]
         ratios[f"{carrier} ({audio})"] = band_ratio(middle, 16000, 4500, 6500)
@@ -349,7 +390,13 @@ AUDIO_IN = {
     "jambonz": "L16 24 kHz little-endian",
     "genesys": "μ-law 8 kHz",
 }
-RATE_OUT = {"twilio": 8000, "exotel": 8000, "genesys": 8000, "jambonz": 24000}  # the others: 16 kHz
+RATE_OUT = {
+    "twilio": 8000,
+    "telnyx": 8000,
+    "exotel": 8000,
+    "genesys": 8000,
+    "jambonz": 24000,
+}  # others: 16 kHz
 MARKS = {"twilio", "telnyx", "plivo", "vonage", "exotel", "asterisk", "jambonz"}  # Genesys has none
 
 
@@ -380,7 +427,7 @@ async def test_phone_simulate_calls_the_server_as_the_carrier_would(server, apis
     assert summary["audio_in"] == AUDIO_IN[carrier] and abs(summary["said_s"] - 2.0) < 0.01
     # Paced as on every line: the carrier holds at most ~100 ms of ours (Genesys: two of its
     # 100 ms messages), and marks come back as it plays.
-    assert summary["max_queued_ms"] <= (205 if carrier == "genesys" else 105)
+    assert summary["max_queued_ms"] <= {"genesys": 205, "exotel": 405}.get(carrier, 105)
     assert summary["marks_answered"] >= (20 if carrier in MARKS else 0)
     audio, rate = sf.read(heard)
     assert rate == RATE_OUT.get(carrier, 16000) and len(audio) / rate >= 2.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import time
 import xml.etree.ElementTree as ET
 from urllib.parse import parse_qsl, urlsplit
@@ -30,6 +31,7 @@ from personaplex_phone.carrier import (
 from personaplex_plivo import plivoxml
 from personaplex_plivo import signatures as plivo_signatures
 from personaplex_plivo.wire import PlivoWire
+from personaplex_plivo.wire import extra_headers as plivo_extra_headers
 from personaplex_telnyx import signatures as telnyx_signatures
 from personaplex_telnyx import texml
 from personaplex_telnyx.sim import keypair
@@ -122,11 +124,19 @@ def test_telnyx_signatures_are_ed25519_over_timestamp_and_body_and_fresh() -> No
 
 
 def test_texml_connects_a_bidirectional_rtp_stream() -> None:
-    document = texml.connect_stream("wss://x.test/telnyx/media-stream/T", {"persona": "a&b"}, "L16", 16000)
+    document = texml.connect_stream("wss://x.test/telnyx/media-stream/T", {"persona": "a&b"}, "PCMU", 8000)
     stream = ET.fromstring(document).find("./Connect/Stream")
-    assert stream.get("bidirectionalMode") == "rtp" and stream.get("bidirectionalCodec") == "L16"
-    assert stream.get("bidirectionalSamplingRate") == "16000" and stream.get("url").endswith("/T")
+    assert stream.get("bidirectionalMode") == "rtp" and stream.get("bidirectionalCodec") == "PCMU"
+    assert stream.get("bidirectionalSamplingRate") == "8000" and stream.get("url").endswith("/T")
+    assert stream.get("codec") == "PCMU"  # the caller's audio asked in a codec we read
     assert {p.get("name"): p.get("value") for p in stream} == {"persona": "a&b"}
+    # The L16 opt-in: wideband back, the caller's audio still asked as PCMU (TeXML's codecs)
+    wide = ET.fromstring(texml.connect_stream("wss://x.test/T", {}, "L16", 16000)).find("./Connect/Stream")
+    assert (wide.get("bidirectionalCodec"), wide.get("bidirectionalSamplingRate"), wide.get("codec")) == (
+        "L16",
+        "16000",
+        "PCMU",
+    )
 
 
 # --- Plivo --------------------------------------------------------------------------------------
@@ -177,7 +187,10 @@ def test_plivo_stream_messages_and_little_endian_l16() -> None:
                     "streamId": "s-1",
                     "mediaFormat": {"encoding": "audio/x-l16", "sampleRate": 16000},
                 },
-                "extra_headers": "persona=desk,customer_name=O%2C%20T",
+                # Plivo hands our extraHeaders back `;`-separated (its published start example)
+                "extra_headers": plivoxml.extra_headers({"persona": "desk", "customer_name": "O, T"}).replace(
+                    ",", ";"
+                ),
             }
         )
     )
@@ -204,10 +217,10 @@ def test_plivo_xml_streams_bidirectionally_and_keeps_the_call() -> None:
     stream = ET.fromstring(document).find("Stream")
     assert stream.text == "wss://x.test/plivo/media-stream/T"
     assert stream.get("bidirectional") == "true" and stream.get("keepCallAlive") == "true"
-    assert (
-        stream.get("contentType") == "audio/x-l16;rate=16000"
-        and stream.get("extraHeaders") == "persona=a%2Cb"
-    )
+    assert stream.get("contentType") == "audio/x-l16;rate=16000"
+    # Plivo's <Stream> takes only [A-Za-z0-9] in extraHeaders (`=` and `,` between the pairs)
+    assert re.fullmatch(r"[A-Za-z0-9]+=[A-Za-z0-9]*(,[A-Za-z0-9]+=[A-Za-z0-9]*)*", stream.get("extraHeaders"))
+    assert plivo_extra_headers(stream.get("extraHeaders")) == {"persona": "a,b"}
 
 
 # --- Vonage -------------------------------------------------------------------------------------
@@ -249,9 +262,9 @@ def test_vonage_signed_webhooks_are_hs256_fresh_and_bound_to_the_body() -> None:
 
     good = token(payload_hash=hashlib.sha256(body).hexdigest())
     assert vonage_signatures.verify(secret, good, body, 300)
-    assert not vonage_signatures.verify(secret, good, body + b" ", 300)  # another body
+    assert not vonage_signatures.verify(secret, good, body.replace(b"u-1", b"u-2"), 300)  # another body
     assert not vonage_signatures.verify(secret, token(), body, 300)  # a body without its hash
-    assert vonage_signatures.verify(secret, token(), b"", 300)  # a GET: no body, no hash
+    assert vonage_signatures.verify(secret, token(), b"", 300, method="GET")  # nothing to bind
     stale = token(iat=int(time.time()) - 301, payload_hash=hashlib.sha256(body).hexdigest())
     assert not vonage_signatures.verify(secret, stale, body, 300)
     assert not vonage_signatures.verify(secret + "x", good, body, 300)
@@ -291,7 +304,8 @@ def test_exotel_stream_messages() -> None:
         )
     )
     assert start.call_id == "CA1" and start.inbound.codec == "l16" and not start.inbound.big_endian
-    assert start.inbound.chunk_bytes == 320  # 20 ms: a multiple of 320 bytes, as Exotel asks
+    # Ours: at least 3.2 KB, a multiple of 320 bytes, as Exotel asks (200 ms at 8 kHz)
+    assert start.outbound.chunk_bytes == 3200 and start.outbound.message_ms == 200
     media = {"event": "media", "stream_sid": "MZ1", "media": {"chunk": "2", "payload": "AAE="}}
     assert wire.parse(text(media)) == CallerMedia(b"\x00\x01", 2)
     assert wire.parse(text({"event": "dtmf", "stream_sid": "MZ1", "dtmf": {"digit": "1"}})) == Digit("1")
@@ -302,7 +316,7 @@ def test_exotel_stream_messages() -> None:
 
 
 def test_exotel_answers_a_stream_url_with_its_credentials_rate_and_few_parameters() -> None:
-    settings = ExotelSettings(api_key="key", api_token="to/ken", sample_rate=16000)
+    settings = ExotelSettings(api_key="key", api_token="to/ken", sample_rate=16000, answer_token="t0k")
     carrier = ExotelCarrier(settings, send=None, validate=True)
     url = carrier.stream_url("wss://voice.example.test/exotel/media-stream", "TICKET")
     reply = carrier.answer_stream(url, {"persona": "desk", "a": "1", "b": "2", "c": "3"}, CallFacts("CA1"))
@@ -320,6 +334,10 @@ def test_exotel_answers_a_stream_url_with_its_credentials_rate_and_few_parameter
         "key", "to/ken", {"authorization": exotel_signatures.basic("key", "x")}
     )
     assert not exotel_signatures.verify("key", "to/ken", {})
+    # Exotel's HTTPS fetches (documented without credentials) are taken on our token in the query
+    assert exotel_signatures.verify_request("key", "to/ken", "t0k", {}, {"token": "t0k"})
+    assert not exotel_signatures.verify_request("key", "to/ken", "t0k", {}, {"token": "t0"})
+    assert not exotel_signatures.verify_request("key", "to/ken", "", {}, {"token": ""})
 
 
 def test_sixteen_bit_byte_orders_differ_where_the_carriers_say() -> None:

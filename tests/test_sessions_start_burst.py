@@ -203,3 +203,24 @@ async def test_the_silence_a_catch_up_step_makes_is_not_delivered(manager_factor
     stats = session.stats
     steps = stats["frames_in"] + stats["late_frames"] + stats["lead_in_frames"]
     assert stats["frames_in"] == 9 and len(out) + skipped == steps  # every other step delivered
+
+
+def test_a_clients_own_piece_cushion_is_neither_caught_up_nor_trimmed():
+    """Input in 100 ms pieces (a carrier's messages) leaves a whole frame queued after some ticks,
+    which the next tick takes before the next piece comes: `expect_input_pieces` keeps that one
+    frame out of the start burst (and the jitter buffer); frames beyond it are a burst as ever."""
+    manager, session = bare_session()
+    session.expect_input_pieces(0.1)  # 2400 samples: one frame of its own cushion
+    consumed, dropped, caught = run_ticks(manager, session, [[0, 1, 2]] + [[k] for k in range(3, 30)])
+    assert consumed == list(range(29)) and dropped == 0
+    assert caught == 1  # of the two spare frames after the first tick, one was the burst
+    assert session.stats["input_backlog_samples"] // FRAME_SIZE == 1  # the cushion stays
+    # Without being told, both spare frames are caught up: the cushion is gone.
+    manager, plain = bare_session()
+    _, _, caught = run_ticks(manager, plain, [[0, 1, 2]] + [[k] for k in range(3, 30)])
+    assert caught == 2 and plain.stats["input_backlog_samples"] == 0
+    # Frame-sized pieces (or nothing said) keep the default: no cushion of the client's own.
+    manager, framed = bare_session()
+    framed.expect_input_pieces(0.08)
+    _, _, caught = run_ticks(manager, framed, [[0, 1, 2]] + [[k] for k in range(3, 30)])
+    assert caught == 2

@@ -9,6 +9,10 @@ JSON on request), BINARY frames in the channel's format, `DTMF_END`; `MARK_MEDIA
 `MEDIA_MARK_PROCESSED` once played, `FLUSH_MEDIA` dropping the queue and its marks unanswered.
 The caller hangs up by closing the socket. Asterisk sends no status webhooks: its "status" is
 the dialplan asking for its next step.
+
+Sources: docs.asterisk.org ("WebSocket channel driver": media and control frames, both control
+formats, the `media` subprotocol); the protocol itself is spoken through sim_wire.py, written
+from those docs, never through the bridge's media_ws.py.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from personaplex_phone.carrier import AudioFormat
 from personaplex_phone.sim_sides import SideDefaults
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 
-from . import media_ws
+from . import sim_wire as wire
 
 _CALLS = itertools.count(1)
 
@@ -34,8 +38,8 @@ class AsteriskSide(SideDefaults):
     name = "asterisk"
     marks_on_clear = False  # FLUSH_MEDIA drops queued marks: they are never answered
 
-    def __init__(self, api_key: str, fmt: str = "slin16", control: str = media_ws.PLAIN):
-        codec, rate = media_ws.FORMATS[fmt]
+    def __init__(self, api_key: str, fmt: str = "slin16", control: str = wire.PLAIN):
+        codec, rate = wire.FORMATS[fmt]
         self.api_key = api_key
         self.format_name = fmt
         self.audio = AudioFormat(codec, rate)  # type: ignore[arg-type]
@@ -66,11 +70,11 @@ class AsteriskSide(SideDefaults):
         return StreamOffer(call_id, answer["media_url"], {}, self.audio, self.audio)
 
     def upgrade(self, offer: StreamOffer, public_url: str) -> tuple[str, dict[str, str]]:
-        return offer.url, {"Sec-WebSocket-Protocol": media_ws.SUBPROTOCOL}
+        return offer.url, {"Sec-WebSocket-Protocol": wire.SUBPROTOCOL}
 
     def opening(self, offer: StreamOffer, stream_id: str) -> list[str | bytes]:
         frame = self.audio.chunk_bytes
-        start = media_ws.event_text(
+        start = wire.event(
             "MEDIA_START",
             self.control,
             connection_id=str(uuid.uuid4()),
@@ -83,10 +87,10 @@ class AsteriskSide(SideDefaults):
         return [start]
 
     def dtmf(self, offer: StreamOffer, stream_id: str, digit: str) -> str:
-        return media_ws.event_text("DTMF_END", self.control, digit=digit, channel_id=stream_id)
+        return wire.event("DTMF_END", self.control, digit=digit, channel_id=stream_id)
 
     def read_text(self, message: str) -> Ours:
-        name, ident = media_ws.parse_command(message, self.control)
+        name, ident = wire.read_command(message, self.control)
         if name == "MARK_MEDIA":
             return Ours("mark", name=ident)
         if name == "FLUSH_MEDIA":
@@ -94,15 +98,13 @@ class AsteriskSide(SideDefaults):
         return Ours("other", name=name)
 
     def mark_played(self, offer: StreamOffer, stream_id: str, name: str) -> str:
-        return media_ws.event_text(
-            "MEDIA_MARK_PROCESSED", self.control, channel_id=stream_id, correlation_id=name
-        )
+        return wire.event("MEDIA_MARK_PROCESSED", self.control, channel_id=stream_id, correlation_id=name)
 
     def status_request(self, public_url: str, call_id: str, status: str) -> HttpRequest:
         return HttpRequest("GET", f"/asterisk/calls/{call_id}/next", self._auth())
 
 
-def side(api_key: str | None = None, fmt: str = "slin16", control: str = media_ws.PLAIN) -> AsteriskSide:
+def side(api_key: str | None = None, fmt: str = "slin16", control: str = wire.PLAIN) -> AsteriskSide:
     key = api_key or next(
         (
             os.environ[k]

@@ -22,6 +22,10 @@ It does what a dialplan and Asterisk do for one call:
 Both kinds of call keep what the caller heard on the call's timeline (`heard_audio`): sample 0
 is when the caller's first audio was sent. Network I/O is aiohttp's (the phone extra), so the
 command works wherever the server does.
+
+Sources: docs.asterisk.org ("AudioSocket"; "WebSocket channel driver") and the AudioSocket
+protocol's README (github.com/CyCoreSystems/audiosocket); both protocols through sim_wire.py,
+written from them, never through the bridge's audiosocket.py or media_ws.py.
 """
 
 from __future__ import annotations
@@ -46,12 +50,11 @@ from personaplex_phone.urls import websocket_base
 from personaplex_voice.audio.mulaw import ulaw_decode, ulaw_encode
 from personaplex_voice.audio.telephony import alaw_decode, alaw_encode, l16_decode, l16_encode
 
-from . import audiosocket as asock
-from . import media_ws
+from . import sim_wire as wire
 
 CHUNK_S = 0.020
 _CALLS = itertools.count(1)
-KIND_FOR_RATE = {rate: kind for kind, rate in asock.ASTERISK_RATES.items()}
+KIND_FOR_RATE = {rate: kind for kind, rate in wire.RATE_KINDS.items()}
 
 
 def encode_pcm(pcm: np.ndarray, codec: str) -> bytes:
@@ -145,7 +148,7 @@ class SimCall:
 class AudioSocketCall(SimCall):
     reader: asyncio.StreamReader | None = None
     writer: asyncio.StreamWriter | None = None
-    kind: int = asock.KIND_SLIN
+    kind: int = wire.KIND_SLIN
     received_kinds: set[int] = field(default_factory=set)
     late: int = 0  # messages of ours that came after the last one had finished playing (a gap heard)
     late_after: float = 0.0  # count only those after this monotonic time (a call's start is priming)
@@ -163,17 +166,17 @@ class AudioSocketCall(SimCall):
             self.closed.set()
 
     async def send_chunk(self, data: bytes) -> None:
-        await self._write(asock.encode(self.kind, data))
+        await self._write(wire.frame(self.kind, data))
 
     async def dtmf(self, digit: str) -> None:
-        await self._write(asock.encode(asock.KIND_DTMF, digit.encode("ascii")))
+        await self._write(wire.frame(wire.KIND_DTMF, digit.encode("ascii")))
 
     async def send_error(self, code: int = 0x01) -> None:
-        await self._write(asock.encode(asock.KIND_ERROR, bytes([code])))
+        await self._write(wire.frame(wire.KIND_ERROR, bytes([code])))
 
     async def hangup(self) -> None:
         """Asterisk's end of the call: the hang-up message, then the socket closes."""
-        await self._write(asock.HANGUP)
+        await self._write(wire.HANGUP)
         self.close()
 
     def close(self) -> None:
@@ -184,13 +187,13 @@ class AudioSocketCall(SimCall):
         assert self.reader is not None
         try:
             while True:
-                kind, length = asock.header(await self.reader.readexactly(asock.HEADER.size))
+                kind, length = wire.HEADER.unpack(await self.reader.readexactly(wire.HEADER.size))
                 payload = await self.reader.readexactly(length) if length else b""
                 self.received_kinds.add(kind)
-                if kind == asock.KIND_HANGUP:
+                if kind == wire.KIND_HANGUP:
                     self.hung_up_by_server = True
                     break
-                if asock.is_audio(kind):
+                if wire.is_audio(kind):
                     now = time.monotonic()
                     self.arrivals.append(now)
                     self.received_messages += 1
@@ -201,7 +204,7 @@ class AudioSocketCall(SimCall):
                     at = max(now, self._play_end)
                     self._play_end = at + len(payload) / 2 / self.rate
                     self._heard(at, payload)
-        except (asyncio.IncompleteReadError, ConnectionError, asock.FrameError):
+        except (asyncio.IncompleteReadError, ConnectionError, wire.FrameError):
             pass
         finally:
             self.closed.set()
@@ -214,7 +217,7 @@ class AudioSocketCall(SimCall):
 @dataclass
 class MediaWebSocketCall(SimCall):
     ws: aiohttp.ClientWebSocketResponse | None = None
-    control: str = media_ws.PLAIN
+    control: str = wire.PLAIN
     format_name: str = "slin16"
     channel_id: str = ""
     queue: deque[bytes | str] = field(default_factory=deque)  # frames, and mark ids (str)
@@ -251,7 +254,7 @@ class MediaWebSocketCall(SimCall):
             await self.ws.send_bytes(data)
 
     async def event(self, name: str, **fields: Any) -> None:
-        await self._send_text(media_ws.event_text(name, self.control, **fields))
+        await self._send_text(wire.event(name, self.control, **fields))
 
     async def media_start(self, connection_id: str) -> None:
         await self.event(
@@ -262,7 +265,7 @@ class MediaWebSocketCall(SimCall):
             format=self.format_name,
             optimal_frame_size=self.frame_bytes,
             ptime=20,
-            **({"channel_variables": {"SIMULATED": "1"}} if self.control == media_ws.JSON else {}),
+            **({"channel_variables": {"SIMULATED": "1"}} if self.control == wire.JSON else {}),
         )
 
     async def dtmf(self, digit: str) -> None:
@@ -284,7 +287,7 @@ class MediaWebSocketCall(SimCall):
 
     def _on_command(self, text: str) -> None:
         try:
-            name, ident = media_ws.parse_command(text, self.control)
+            name, ident = wire.read_command(text, self.control)
         except ValueError:
             name, ident = "(unreadable)", text[:40]
         self.commands.append((name, ident))
@@ -437,7 +440,7 @@ class AsteriskSimulator:
         call = AudioSocketCall(rate=rate, reader=reader, writer=writer, kind=kind)
         receiver = asyncio.create_task(call.receive_loop())
         try:
-            await call._write(asock.uuid_message(call_uuid))
+            await call._write(wire.uuid_frame(call_uuid))
             yield call
         finally:
             call.close()
@@ -452,17 +455,17 @@ class AsteriskSimulator:
         self,
         ticket: str,
         fmt: str = "slin16",
-        control: str = media_ws.PLAIN,
+        control: str = wire.PLAIN,
         in_path: bool = False,
         subprotocol: bool = True,
         send_start: bool = True,
     ) -> AsyncIterator[MediaWebSocketCall]:
         """`Dial(WebSocket/<client>/c(slin16)v(ticket=UUID))` with the client's URI pointing at
         `/asterisk/media`; `in_path` puts the ticket in the path instead."""
-        codec, rate = media_ws.FORMATS[fmt]
+        codec, rate = wire.FORMATS[fmt]
         where = "/asterisk/media/" + ticket if in_path else "/asterisk/media?ticket=" + ticket
         session = await self.session()
-        protocols = (media_ws.SUBPROTOCOL,) if subprotocol else ()
+        protocols = (wire.SUBPROTOCOL,) if subprotocol else ()
         ws = await session.ws_connect(websocket_base(self.base_url) + where, protocols=protocols)
         call = MediaWebSocketCall(
             rate=rate,
@@ -498,7 +501,7 @@ async def simulate_call(
     audiosocket: tuple[str, int] | None = None,
     rate: int = 16000,
     numbering: str = "asterisk",
-    control: str = media_ws.PLAIN,
+    control: str = wire.PLAIN,
     digits: list[tuple[float, str]] | None = None,
     persona: str | None = None,
     to: str = "100",
@@ -581,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--audiosocket", help="the server's AudioSocket listener, HOST:PORT")
     parser.add_argument("--rate", type=int, default=16000, choices=(8000, 16000, 24000))
     parser.add_argument("--numbering", choices=("asterisk", "first"), default="asterisk")
-    parser.add_argument("--control", choices=(media_ws.PLAIN, media_ws.JSON), default=media_ws.PLAIN)
+    parser.add_argument("--control", choices=(wire.PLAIN, wire.JSON), default=wire.PLAIN)
     parser.add_argument("--dtmf", action="append", default=[], help="KEY@SECONDS into the WAV")
     parser.add_argument("--persona")
     parser.add_argument("--api-key", default=os.environ.get("PERSONAPLEX_PHONE_API_TOKEN", ""))

@@ -3,12 +3,12 @@ call (personaplex_phone).
 
 | route                               | what                                                  |
 | ----------------------------------- | ----------------------------------------------------- |
-| `GET /exotel/answer`                | the Voicebot applet's dynamic URL (HTTP Basic): `{"url": …}` |
-| `POST /exotel/status`               | status callbacks (HTTP Basic)                         |
-| `WS /exotel/media-stream/{ticket}`  | the call's audio: PCM 8 kHz (or 16 kHz) both ways     |
+| `GET /exotel/answer?token=…`        | the Voicebot applet's dynamic URL: `{"url": …}`       |
+| `POST /exotel/status?token=…`       | status callbacks                                      |
+| `WS /exotel/media-stream/{ticket}`  | the call's audio (HTTP Basic): PCM 8 kHz (16, 24) both ways |
 
-The rooms: wire.py, control.py (Legs API, ExoML), signatures.py (Basic), carrier.py, config.py,
-sim.py (Exotel's side). See docs/exotel.md.
+The rooms: wire.py, control.py (Legs API, ExoML), signatures.py (the URL token, Basic),
+carrier.py, config.py, sim.py (Exotel's side). See docs/exotel.md.
 """
 
 from __future__ import annotations

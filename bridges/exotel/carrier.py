@@ -1,16 +1,20 @@
 """Exotel as a carrier of the phone call: the Voicebot applet's dynamic URL, its bidirectional
 stream, the Legs API for hang-ups and transfers, HTTP Basic authentication.
 
-The Voicebot applet's URL is `https://KEY:TOKEN@host/exotel/answer` (a dynamic URL: Exotel GETs
-it with the call's details and takes the stream's `wss://` URL from our JSON answer); its
-status callback `POST /exotel/status`. The stream URL we answer with carries Exotel's Basic
-credentials (as Exotel's docs say to), the `sample-rate`, the call's single-use ticket and our
-custom parameters (at most three, as Exotel allows).
+The Voicebot applet's URL is `https://host/exotel/answer?token=ANSWER_TOKEN` (a dynamic URL:
+Exotel GETs it with the call's details and takes the stream's `wss://` URL from our JSON answer);
+its status callback `/exotel/status?token=ANSWER_TOKEN`. Exotel documents no credentials for
+those HTTPS requests, so they are taken on the token in their query (or on valid HTTP Basic
+credentials, where they carry any). The stream URL we answer with carries Exotel's Basic
+credentials (`wss://KEY:TOKEN@…`, the authentication Exotel documents for streams), the
+`sample-rate`, the call's single-use ticket and our custom parameters (at most three, as Exotel
+allows).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from urllib.parse import quote, urlencode
 
@@ -27,6 +31,8 @@ from . import signatures
 from .config import ExotelSettings
 from .control import ExotelControl
 from .wire import ExotelWire
+
+log = logging.getLogger(__name__)
 
 JSON = "application/json"
 TERMINAL_STATUSES = {"completed", "failed", "busy", "no-answer", "canceled"}
@@ -55,6 +61,15 @@ class ExotelCarrier(CarrierDefaults):
             return True
         return signatures.verify(self.settings.api_key, self.settings.api_token.get_secret_value(), headers)
 
+    def check(self) -> None:
+        super().check()
+        if self.validate and not self.settings.answer_token.get_secret_value():
+            log.warning(
+                "exotel: no PERSONAPLEX_EXOTEL_ANSWER_TOKEN: the Voicebot applet's dynamic URL is "
+                "taken only with HTTP Basic credentials, which Exotel does not document for it; set "
+                "a token and end the applet's URL with ?token=<it> (docs/exotel.md)"
+            )
+
     # --- webhooks ------------------------------------------------------------------------------
     def fields(self, method: str, query: Mapping[str, str], body: bytes, content_type: str) -> dict[str, str]:
         if method == "POST" and body:
@@ -64,7 +79,21 @@ class ExotelCarrier(CarrierDefaults):
         return dict(query)
 
     def verify(self, webhook: Webhook) -> bool:
-        return self._authentic(webhook.headers)
+        if self.settings.dev_skip_signature:
+            return True
+        s = self.settings
+        return signatures.verify_request(
+            s.api_key,
+            s.api_token.get_secret_value(),
+            s.answer_token.get_secret_value(),
+            webhook.headers,
+            webhook.query,
+        )
+
+    def flow_values(self, webhook: Webhook) -> dict[str, str]:
+        """The dynamic URL's query, less our answer token (never a template's value, never
+        passed on in the stream URL)."""
+        return {k: v for k, v in webhook.query.items() if k != "token"}
 
     def verify_upgrade(self, conn: HTTPConnection) -> bool:
         return self._authentic({k.lower(): v for k, v in conn.headers.items()})
@@ -106,4 +135,4 @@ class ExotelCarrier(CarrierDefaults):
         return Reply(json.dumps({"error": message}), JSON, status=503 if busy else 404)
 
     def new_wire(self) -> ExotelWire:
-        return ExotelWire()
+        return ExotelWire(self.settings.sample_rate)

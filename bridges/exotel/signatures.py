@@ -1,9 +1,12 @@
-"""Exotel's authentication of its requests to us: HTTP Basic with the account's API key and token.
+"""Exotel's authentication of its requests to us.
 
-Exotel does not sign requests; it authenticates them as its docs describe: the Voicebot applet's
-URL (and the dynamic URL's answer) carries `KEY:TOKEN@host`, which Exotel sends as
-`Authorization: Basic base64(KEY:TOKEN)` on the HTTP request and on the WebSocket upgrade. (IP
-allow-listing, the other option Exotel offers, is for your firewall.) Compared in constant time.
+Exotel does not sign requests. For the Voicebot stream it documents HTTP Basic
+(developer.exotel.com/docs/agentstream/stream-voicebot-applet, "Authentication"): a `wss://`
+URL written `wss://KEY:TOKEN@host/…` reaches us with `Authorization: Basic base64(KEY:TOKEN)` on
+the WebSocket upgrade; IP allow-listing, the other option, is for your firewall. For the applet's
+HTTPS (dynamic) URL and status callbacks it documents no credentials at all: those requests are
+taken when they carry our answer token in their query (`?token=…`, the URL you configure), or,
+where a proxy or Exotel adds them, valid Basic credentials. Compared in constant time.
 """
 
 from __future__ import annotations
@@ -32,3 +35,14 @@ def verify(user: str, password: str, headers: Mapping[str, str]) -> bool:
     ok_name = hmac.compare_digest(name.encode(), user.encode())
     ok_secret = hmac.compare_digest(secret.encode(), password.encode())
     return bool(sep) and ok_name and ok_secret
+
+
+def verify_request(
+    user: str, password: str, answer_token: str, headers: Mapping[str, str], query: Mapping[str, str]
+) -> bool:
+    """An HTTPS request of Exotel's (the dynamic URL, a status callback): the configured answer
+    token in its query, or valid Basic credentials when it carries any."""
+    given = query.get("token", "")
+    if answer_token and given and hmac.compare_digest(given.encode(), answer_token.encode()):
+        return True
+    return verify(user, password, headers)

@@ -97,6 +97,12 @@ class GenesysCarrier(CarrierDefaults):
     def new_wire(self) -> GenesysWire:
         return GenesysWire(self.live, self.settings.message_ms)
 
+    def wire_for(self, conn: HTTPConnection) -> GenesysWire:
+        """The session's wire, told the organization the upgrade's `audiohook-organization-id`
+        names: its `open` must name the same one."""
+        organization = conn.headers.get("audiohook-organization-id", "")
+        return GenesysWire(self.live, self.settings.message_ms, organization=organization)
+
     def engine_lost(self, apology: str) -> list[phone.Step]:
         # The flow decides what comes next: `action=error` (the end reason says the engine was
         # lost), and the apology for it to say.

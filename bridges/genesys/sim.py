@@ -1,18 +1,29 @@
 """Genesys Cloud's side of a call, for `personaplex_phone.simulator` (`phone simulate`, the tests).
 
-No answer webhook: an Architect flow's Call Audio Connector action opens the WebSocket itself,
-at the integration's base URI plus the action's connector id (`offer`). The upgrade carries
-`Audiohook-Organization-Id`, `Audiohook-Session-Id`, `Audiohook-Correlation-Id`, `X-API-KEY`
-and, with a client secret, `Signature-Input`/`Signature` (HMAC-SHA256 over the components
-Genesys signs, httpsig.py). Then the AudioHook protocol as a client: `open` (the call's facts,
-the media offered, the flow's input variables), binary PCMU 8 kHz, `dtmf`, `ping`,
-`paused`/`resumed`, and `close` to hang up; our `disconnect` is answered with `close`. Every
-message counts its `seq` up from 1 and carries the last `serverseq` seen.
+Written from Genesys's published material, not from the bridge (nothing here imports it):
+
+- the Audio Connector (help.mypurecloud.com, "About the Audio Connector integration";
+  developer.genesys.cloud, AudioHook protocol): no answer webhook; an Architect flow's Call Audio
+  Connector action opens the WebSocket itself, at the integration's base URI plus the action's
+  connector id (`offer`). The upgrade carries `Audiohook-Organization-Id`,
+  `Audiohook-Session-Id`, `Audiohook-Correlation-Id`, `X-API-KEY` and, with a client secret,
+  `Signature-Input`/`Signature`: an HTTP message signature (RFC 9421) over `@request-target`,
+  `@authority` and those headers, `keyid` the API key, `alg` hmac-sha256, `created`,
+  `expires`, a 24-character nonce, keyed by the base64-decoded client secret; built here from
+  the RFC's rules (`signature_headers`);
+- the AudioHook protocol as a client (message types as in Genesys's reference implementation,
+  github.com/purecloudlabs/audiohook-reference-implementation, protocol/message.ts): `open` (the
+  organization, the call's facts, the media offered, the flow's input variables), binary PCMU
+  8 kHz, `dtmf`, `ping`, `update` (a language change, answered `updated`), `paused`/`resumed`,
+  and `close` to hang up; our `disconnect` is answered with `close`. Every message counts its
+  `seq` up from 1 and carries the last `serverseq` seen.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -27,10 +38,52 @@ from personaplex_phone.sim_sides import SideDefaults, secret
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 from personaplex_phone.urls import websocket_base
 
-from . import httpsig
-from .carrier import MEDIA_PATH, authority
-
+MEDIA_PATH = "/genesys/audio-connector"  # the integration's base URI, as our docs give it
 ORGANIZATION = "c0ffee00-0000-4000-8000-000000000001"
+COVERED = (
+    "@request-target",
+    "@authority",
+    "audiohook-organization-id",
+    "audiohook-session-id",
+    "audiohook-correlation-id",
+    "x-api-key",
+)
+
+
+def dialled_authority(url: str) -> str:
+    """The host and port a URL dials, the port left out where it is the scheme's default."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    default = {"wss": 443, "https": 443, "ws": 80, "http": 80}.get(parts.scheme)
+    return host if parts.port in (None, default) else f"{host}:{parts.port}"
+
+
+def signature_headers(
+    key: bytes,
+    api_key: str,
+    url: str,
+    headers: dict[str, str],
+    nonce: str,
+    created: int,
+    lifetime_s: int = 30,
+) -> dict[str, str]:
+    """`Signature-Input` and `Signature` for an upgrade to `url` (RFC 9421, HMAC-SHA256)."""
+    parts = urlsplit(url)
+    lower = {k.lower(): " ".join(v.split()) for k, v in headers.items()} | {"x-api-key": api_key}
+    values = {
+        "@request-target": parts.path + (f"?{parts.query}" if parts.query else ""),
+        "@authority": dialled_authority(url),
+        **lower,
+    }
+    components = " ".join(f'"{name}"' for name in COVERED)
+    params = f'({components});keyid="{api_key}";nonce="{nonce}";alg="hmac-sha256"'
+    params += f";created={created};expires={created + lifetime_s}"
+    base = "\n".join([*(f'"{name}": {values[name]}' for name in COVERED), f'"@signature-params": {params}'])
+    digest = base64.b64encode(hmac.new(key, base.encode(), hashlib.sha256).digest()).decode()
+    return {"Signature-Input": f"sig1={params}", "Signature": f"sig1=:{digest}:"}
+
+
 SESSION_HEADER = "Audiohook-Session-Id"
 PCMU_8K = AudioFormat("pcmu", 8000)
 
@@ -85,12 +138,8 @@ class GenesysSide(SideDefaults):
     def upgrade(self, offer: StreamOffer, public_url: str) -> tuple[str, dict[str, str]]:
         headers = {**offer.headers, "X-API-KEY": self.api_key}
         if self.key:
-            parts = urlsplit(offer.url)
-            target = parts.path + (f"?{parts.query}" if parts.query else "")
             nonce = base64.b64encode(secrets.token_bytes(18)).decode()
-            headers |= httpsig.signed_headers(
-                self.key, self.api_key, target, authority(offer.url), headers, nonce
-            )
+            headers |= signature_headers(self.key, self.api_key, offer.url, headers, nonce, int(time.time()))
         return offer.url, headers
 
     # --- the AudioHook client ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ counts its `seq` up from 1, one by one.
                                              or disconnect (reason error: busy, unknown persona)
     binary: the caller's audio, PCMU     ->  <-  binary: ours, PCMU 8 kHz
     ping                                 ->  <-  pong
+    update (language)                    ->  <-  updated
     dtmf (digit)                         ->
     paused / resumed (a hold)            ->
                                          <-  event (entities: [{"type": "barge_in"}]): drop what
@@ -24,6 +25,13 @@ counts its `seq` up from 1, one by one.
 The outcome reaches the Architect flow as the output variables of our `disconnect`, repeated on
 `closed` (control.py fills them: `action`, `target`, `say`, ...; see docs/genesys.md). Genesys
 has no marks: `mark` says nothing.
+
+Checked against the protocol's published types (Genesys's AudioHook reference implementation,
+github.com/purecloudlabs/audiohook-reference-implementation, app/audiohook/src/protocol/
+message.ts): `update` (client, a language change) is answered `updated`; an `open` whose
+`organizationId` is not the one the upgrade's `audiohook-organization-id` header named (the
+header the HTTP signature covers) is refused with `disconnect` reason `unauthorized`; an `open`
+that asks for `supportedLanguages` gets them in `opened` (the persona's language only).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from personaplex_phone.carrier import (
 log = logging.getLogger(__name__)
 
 VERSION = "2"
+SUPPORTED_LANGUAGES = ("en-US",)  # PersonaPlex speaks English
 PCMU = {"type": "audio", "format": "PCMU", "channels": ["external"], "rate": 8000}
 DTMF_KEYS = frozenset("0123456789*#ABCD")
 VALUE_CHARS = 400  # an output variable's value, at most (the summary: SUMMARY_CHARS)
@@ -74,9 +83,11 @@ class GenesysWire:
     """One Audio Connector session. `live` is the carrier's index of sessions (session id ->
     wire) through which call control reaches it (control.py)."""
 
-    def __init__(self, live: MutableMapping[str, GenesysWire], message_ms: int = 100):
+    def __init__(self, live: MutableMapping[str, GenesysWire], message_ms: int = 100, organization: str = ""):
         self.live = live
         self.message_ms = message_ms
+        self.organization = organization  # the upgrade's audiohook-organization-id ("": not given)
+        self.languages = False  # the `open` asked for our supported languages
         self.replies: list[Outgoing] = []
         self.session_id = ""
         self.client_seq = 0  # Genesys's last seq
@@ -105,6 +116,12 @@ class GenesysWire:
             return self._open(message["id"], parameters)
         if kind == "ping":
             self.replies.append(self._say("pong", {}))
+        elif kind == "update":
+            # A language change: the agent keeps its persona's language; the protocol still
+            # wants the update acknowledged.
+            log.info("genesys %s: update %s", self.session_id, one_line(parameters, 120))
+            if self.opened and not self.ended:
+                self.replies.append(self._say("updated", {}))
         elif kind == "close":
             return self._close(parameters)
         elif kind == "paused":
@@ -127,7 +144,7 @@ class GenesysWire:
                 parameters.get("code"),
                 one_line(parameters.get("message", "")),
             )
-        return None  # update, discarded, playback_started/completed, and anything new
+        return None  # discarded, playback_started/completed, and anything new
 
     def _message(self, text: str) -> dict[str, Any]:
         message = wire_json.json_value(text)
@@ -171,6 +188,19 @@ class GenesysWire:
         call_id = parameters.get("conversationId")
         if not isinstance(call_id, str) or not call_id:
             raise ProtocolError("`open` without a conversationId", CLOSE_INVALID_DATA)
+        organization = str(parameters.get("organizationId", ""))
+        if self.organization and organization.lower() != self.organization.lower():
+            log.warning(
+                "genesys %s: `open` names organization %r, the connection %r: refused",
+                session,
+                organization[:40],
+                self.organization[:40],
+            )
+            self.ended = True
+            info = "organizationId does not match the audiohook-organization-id header"
+            self.replies.append(self._say("disconnect", {"reason": "unauthorized", "info": info}))
+            return None
+        self.languages = parameters.get("supportedLanguages") is True
         participant = parameters.get("participant")
         participant = participant if isinstance(participant, dict) else {}
         variables = parameters.get("inputVariables")
@@ -179,7 +209,6 @@ class GenesysWire:
             if isinstance(variables, dict)
             else {}
         )
-        organization = str(parameters.get("organizationId", ""))
         line = AudioFormat("pcmu", 8000)
         return StreamStart(
             session,
@@ -239,7 +268,10 @@ class GenesysWire:
 
     def accept(self) -> Outgoing:
         self.opened = True
-        return self._say("opened", {"media": [PCMU], "startPaused": False})
+        parameters: dict[str, Any] = {"media": [PCMU], "startPaused": False}
+        if self.languages:
+            parameters["supportedLanguages"] = list(SUPPORTED_LANGUAGES)
+        return self._say("opened", parameters)
 
     def refuse(self, message: str, busy: bool) -> Outgoing:
         self.ended = True

@@ -1,5 +1,13 @@
 """jambonz's side of a call, for `personaplex_phone.simulator` (`phone simulate`, the tests).
 
+Written from jambonz's published material, not from the bridge (nothing here imports it):
+webhook signing as jambonz documents it (docs.jambonz.org, "Securing webhooks", and its
+@jambonz/node-client's `WebhookResponse.verifyJambonzSignature`, restated: HMAC-SHA256 of
+`<t>.<raw body>` with the webhook secret, hex, `Jambonz-Signature: t=<t>,v1=<hex>`); the
+`listen` verb and its WebSocket (docs.jambonz.org, "listen": the `audio.jambonz.org`
+subprotocol, the first text frame the call's attributes with `sampleRate`, `mixType` and the
+verb's `metadata` merged in, then binary L16).
+
 The calling webhook is a JSON POST (snake_case call attributes) signed `Jambonz-Signature:
 t=…,v1=…` with the account's webhook secret; our `listen` verb names the WebSocket, opened with
 the `audio.jambonz.org` subprotocol and no signature (its ticket is in the URL); the first text
@@ -12,15 +20,25 @@ caller hangs up by closing the socket; when the listen has ended, jambonz POSTs 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import time
 from typing import Any
 
 from personaplex_phone.carrier import AudioFormat
 from personaplex_phone.sim_sides import SideDefaults, secret, with_query
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 
-from . import signatures
-from .wire import METADATA_KEY, SUBPROTOCOL
+SUBPROTOCOL = "audio.jambonz.org"
+
+
+def jambonz_signature(secret_: str, body: bytes, timestamp: int | None = None) -> str:
+    """The `Jambonz-Signature` value for `body`, signed now (or at `timestamp`)."""
+    t = int(time.time()) if timestamp is None else timestamp
+    digest = hmac.new(secret_.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={t},v1={digest}"
+
 
 ACCOUNT_SID = "9d9f5f77-0000-4000-8000-0000000000a1"
 APPLICATION_SID = "9d9f5f77-0000-4000-8000-0000000000b2"
@@ -34,12 +52,13 @@ class JambonzSide(SideDefaults):
     def __init__(self, webhook_secret: str):
         self.secret = webhook_secret
         self._calls: dict[str, dict[str, str]] = {}  # call id -> its numbers, for the first frame
+        self._metadata: dict[str, dict[str, Any]] = {}  # call id -> its listen verb's metadata
 
     def _signed(self, path: str, payload: dict[str, Any]) -> HttpRequest:
         body = json.dumps(payload).encode()
         headers = {
             "Content-Type": "application/json",
-            "Jambonz-Signature": signatures.sign(self.secret, body),
+            "Jambonz-Signature": jambonz_signature(self.secret, body),
         }
         return HttpRequest("POST", path, headers, body)
 
@@ -74,7 +93,9 @@ class JambonzSide(SideDefaults):
         if listen["bidirectionalAudio"]["sampleRate"] != listen["sampleRate"]:
             raise AssertionError("the listen verb sends and takes audio at two rates")
         fmt = AudioFormat("l16", int(listen["sampleRate"]), big_endian=False)
-        params = {k: str(v) for k, v in (listen.get("metadata") or {}).get(METADATA_KEY, {}).items()}
+        metadata = listen.get("metadata") or {}
+        self._metadata[call_id] = metadata
+        params = {k: json.dumps(v) if isinstance(v, dict | list) else str(v) for k, v in metadata.items()}
         return StreamOffer(call_id, listen["url"], params, fmt, fmt)
 
     def opening(self, offer: StreamOffer, stream_id: str) -> list[str | bytes]:
@@ -91,7 +112,7 @@ class JambonzSide(SideDefaults):
             "applicationSid": APPLICATION_SID,
             "sampleRate": offer.inbound.rate,
             "mixType": "mono",
-            METADATA_KEY: dict(offer.params),
+            **self._metadata.get(offer.call_id, {}),  # the verb's metadata, merged in
         }
         return [json.dumps(facts)]
 

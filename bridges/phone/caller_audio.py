@@ -14,6 +14,7 @@ kept because the silence is computed then, for the burst it precedes.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -94,6 +95,12 @@ class CallerAudio:
             self._cushioned = True
             early, self._early = bytes(self._early), bytearray()
             message_s = self.inbound.engine_samples(len(payload)) / SAMPLE_RATE or CHUNK_S
+            if message_s > FRAME_S:
+                # Pieces longer than a frame leave whole frames queued between ticks: the
+                # session must take them for the cushion they are, not for a start burst.
+                expect = getattr(session, "expect_input_pieces", None)
+                if expect is not None:
+                    expect(message_s)
             early_samples = round(self.inbound.engine_samples(len(early)))
             cushion = self.cushion_samples(session.seconds_to_next_tick(), message_s, early_samples)
             session.push(self.inbound.lead(cushion))
@@ -114,19 +121,20 @@ class CallerAudio:
         the engine's clock idle (None) this session's first full frame starts it at once, so the
         ticks fall on this message's phase: before each later one the session holds the cushion
         plus the messages since the last. A carrier that sends longer messages (Exotel: about
-        100 ms) delivers its audio up to one message minus 20 ms later than that: so much more
-        cushion (and delay) it needs. `early_samples` of kept audio go between this silence and
-        the message: what they add comes off the silence (the session catches whole frames of it
-        up, keeping the phase).
+        100 ms) needs the least cushion that keeps a frame complete `inbound_slack_ms` before
+        every tick, found by `long_message_cushion_ms`. `early_samples` of kept audio go between
+        this silence and the message: what they add comes off the silence (the session catches
+        whole frames of it up, keeping the phase).
         """
         frame_ms, chunk_ms = FRAME_S * 1000, CHUNK_S * 1000
-        if to_tick_s is None:
+        if message_s * 1000 > chunk_ms + 0.5:
+            cushion_ms = long_message_cushion_ms(to_tick_s, message_s * 1000, frame_ms, self.slack_ms)
+        elif to_tick_s is None:
             cushion_ms = frame_ms + self.slack_ms
         else:
             to_tick_ms = (to_tick_s * 1000) % frame_ms
             arriving_ms = chunk_ms + chunk_ms * (to_tick_ms // chunk_ms)
             cushion_ms = (frame_ms + self.slack_ms - arriving_ms) % frame_ms
-        cushion_ms += max(0.0, message_s * 1000 - chunk_ms)
         cushion = round(cushion_ms * SAMPLE_RATE / 1000)
         if early_samples <= cushion:
             return cushion - early_samples
@@ -138,3 +146,63 @@ class CallerAudio:
             "inbound_dropped_before_ready": self.dropped,
             "inbound_gaps": self.gaps,
         }
+
+
+def long_message_cushion_ms(
+    to_tick_s: float | None, message_ms: float, frame_ms: float, slack_ms: float
+) -> float:
+    """The least silence (ms, to 1 ms) ahead of a carrier's first long message (longer than 20 ms;
+    one arrives every `message_ms`, this one now) that keeps every engine frame complete
+    `slack_ms` before the tick that takes it, from the session's first stepped tick on.
+
+    The ticks come every `frame_ms`, the next in `to_tick_s` (None: the engine's clock is idle,
+    and this push, a full frame at least, starts it now). A session is stepped from the first
+    tick that finds a full frame; after that each tick takes one frame. A message that arrives
+    exactly at a tick counts as arriving after it. Checked over two of the pattern's periods
+    (every pattern of two fixed rates repeats), the smallest cushion that passes is returned:
+    any more would only be delay (and spare frames the jitter buffer would trim)."""
+    first_tick = 0.0 if to_tick_s is None else (to_tick_s * 1000) % frame_ms
+    period = _lcm_ms(message_ms, frame_ms)
+    ticks = int(2 * period / frame_ms) + 3
+    low = max(0.0, frame_ms - message_ms) if to_tick_s is None else 0.0
+    for cushion in range(int(low), int(2 * frame_ms + message_ms + slack_ms) + 2):
+        if _keeps_frames(cushion, first_tick, message_ms, frame_ms, slack_ms, ticks, to_tick_s is None):
+            return float(cushion)
+    return (
+        2 * frame_ms + message_ms + slack_ms
+    )  # not reached: a cushion of two frames and a message always does
+
+
+def _keeps_frames(
+    cushion: float,
+    first_tick: float,
+    message_ms: float,
+    frame_ms: float,
+    slack_ms: float,
+    ticks: int,
+    idle: bool,
+) -> bool:
+    def arrived(by: float, strict: bool = True) -> float:
+        """Audio (ms) in the session by time `by` (this push at 0, one message each message_ms)."""
+        if by < 0 or (strict and by == 0 and not idle):
+            return 0.0
+        later = max(0, math.ceil(by / message_ms) - 1) if by > 0 else 0
+        return cushion + message_ms * (1 + later)
+
+    taken = 0.0
+    started = False
+    for n in range(ticks):
+        tick = first_tick + n * frame_ms
+        if not started:
+            started = arrived(tick) - taken >= frame_ms
+        elif arrived(tick - slack_ms) - taken < frame_ms:
+            return False
+        if started:
+            taken += frame_ms
+    return started
+
+
+def _lcm_ms(a: float, b: float) -> float:
+    """The least common multiple of two durations, at 1 ms resolution."""
+    x, y = max(1, round(a)), max(1, round(b))
+    return float(x * y // math.gcd(x, y))

@@ -404,7 +404,9 @@ class Carrier(Protocol):
     # Optional (read with getattr): `subprotocol`, the WebSocket subprotocol accepted when the
     # carrier offers it (jambonz's `audio.jambonz.org`); `answers_in_stream`, True where no
     # answer webhook comes first: the stream's start is the call's arrival (Genesys), admitted
-    # then, with `paths.answer` empty and any path under `paths.media` taken for the stream.
+    # then, with `paths.answer` empty and any path under `paths.media` taken for the stream;
+    # `wire_for(conn) -> StreamWire`, where the stream's wire must know what its upgrade said
+    # (Genesys compares the upgrade's organization header with its `open`).
 
     def check(self) -> None:
         """Refuse to start (UserError) when the settings cannot work (no key to check signatures)."""

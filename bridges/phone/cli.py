@@ -96,6 +96,9 @@ async def _simulate(
         "ended_by": "server" if ended_by_server else "caller",
         "close_code": call.close_code,
     }
+    bad_chunks = getattr(side, "bad_chunks", None)  # messages of ours the carrier's rules refuse
+    if bad_chunks is not None:
+        summary["messages_breaking_carrier_rules"] = len(bad_chunks)
     return summary, heard, offer.outbound.rate
 
 

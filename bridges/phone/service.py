@@ -571,7 +571,11 @@ class PhoneService:
             return
         # The carrier's subprotocol when it offers it (jambonz opens with `audio.jambonz.org`).
         link = await WebSocketLink.accept(ws, getattr(carrier, "subprotocol", None))
-        await self.run_stream(carrier, link, ticket, public_base(self.settings, ws))
+        # A carrier whose protocol checks what its upgrade said (Genesys: the organization
+        # header against the `open`) builds the stream's wire from the connection.
+        wire_for = getattr(carrier, "wire_for", None)
+        wire = wire_for(ws) if callable(wire_for) else None
+        await self.run_stream(carrier, link, ticket, public_base(self.settings, ws), wire)
 
     async def run_stream(
         self,

@@ -2,25 +2,54 @@
 
 The answer is a bidirectional `<Stream>` that keeps the call up while it runs:
 `<Stream bidirectional="true" keepCallAlive="true" contentType="audio/x-l16;rate=16000"
-extraHeaders="persona=desk">wss://…</Stream>`; the URL is the element's text. Instructions for a
-live call are Plivo XML documents Plivo fetches when the call is transferred to their URL.
+extraHeaders="…">wss://…</Stream>`; the URL is the element's text. Instructions for a live call
+are Plivo XML documents Plivo fetches when the call is transferred to their URL.
+
+`extraHeaders` (docs.plivo.com/docs/voice/xml/audiostream): `key=value` pairs joined by `,`, at
+most 512 bytes, "only characters [A-Z], [a-z], [0-9] allowed". Our keys and values are any text
+(a persona's name, a flow's values), so each is written in base32 (RFC 4648, lower case, no `=`
+padding: letters and digits only) after a first pair `ppenc=b32` that says so, and read back by
+wire.py; pairs that would not fit in 512 bytes are left out (the call's own record still has
+them), with a warning.
 """
 
 from __future__ import annotations
 
+import base64
+import logging
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
-from urllib.parse import quote
 
 from personaplex_phone import carrier as phone
 from personaplex_phone import xml_markup
 
+log = logging.getLogger(__name__)
+
 XML = "application/xml"
+EXTRA_HEADERS_MAX_BYTES = 512  # Plivo's limit for the whole attribute
+ENCODED_MARK = "ppenc=b32"  # first pair: the others are base32 (wire.extra_headers reads it)
+
+
+def alphanumeric(text: str) -> str:
+    """`text` in letters and digits only: base32 of its UTF-8, lower case, unpadded."""
+    return base64.b32encode(text.encode()).decode("ascii").rstrip("=").lower()
 
 
 def extra_headers(values: Mapping[str, str]) -> str:
-    """`key=value,key=value`, each part percent-encoded (a value may hold a comma)."""
-    return ",".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in values.items())
+    """`key=value,key=value` in Plivo's alphabet, as many pairs (in order) as fit Plivo's limit."""
+    if not values:
+        return ""
+    pairs = [ENCODED_MARK]
+    used = len(ENCODED_MARK)
+    for key, value in values.items():
+        pair = f"{alphanumeric(key)}={alphanumeric(value)}"
+        cost = len(pair) + 1
+        if used + cost > EXTRA_HEADERS_MAX_BYTES:
+            log.warning("plivo: extraHeaders: %r left out (over Plivo's 512 bytes)", key)
+            continue
+        pairs.append(pair)
+        used += cost
+    return ",".join(pairs)
 
 
 def stream(url: str, parameters: Mapping[str, str], content_type: str) -> str:

@@ -1,7 +1,8 @@
 """Plivo's bidirectional audio stream: its WebSocket messages, both ways.
 
 Plivo sends JSON text: `start` (`start.callId`, `start.streamId`, `start.mediaFormat`
-{encoding, sampleRate}; `extra_headers`, our `extraHeaders`), `media` (`media.payload` base64,
+{encoding, sampleRate}; `extra_headers`, our `extraHeaders` as a string of `key=value` pairs,
+`;`-separated in Plivo's published example, `,` in its XML attribute), `media` (`media.payload` base64,
 `track`, `chunk`, `timestamp`), `dtmf` (`dtmf.digit`), `playedStream` (the answer to one of our
 `checkpoint`s: everything before it has played), `clearedAudio` (the answer to `clearAudio`).
 The stream ends when the socket closes (some accounts also send `stop`). We send `playAudio`
@@ -13,9 +14,10 @@ or 16000); `audio/x-mulaw` is μ-law at 8 kHz. Both directions use the stream's 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Any
-from urllib.parse import unquote
 
 from personaplex_phone import wire_json as j
 from personaplex_phone.carrier import (
@@ -48,18 +50,38 @@ def content_type_of(fmt: AudioFormat) -> str:
     return "audio/x-mulaw" if fmt.codec == "pcmu" else "audio/x-l16"
 
 
+ENCODED_MARK = ("ppenc", "b32")  # our answer's first pair: the other pairs are base32 (plivoxml)
+
+
+def from_alphanumeric(token: str) -> str:
+    """A key or value of our `extraHeaders` (plivoxml.alphanumeric) back to its text."""
+    try:
+        return base64.b32decode(token.upper() + "=" * (-len(token) % 8)).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return token  # not ours after all: as it came
+
+
 def extra_headers(value: Any) -> dict[str, str]:
-    """Our `extraHeaders` as Plivo hands them back: a JSON object, or `key=value,key=value`."""
+    """Our `extraHeaders` as Plivo hands them back in `start`: `key=value` pairs separated by `;`
+    (Plivo's published example) or `,` (the attribute's own form); base32 when the first pair is
+    our mark, else as they are (headers written by hand). A JSON object is read too."""
     if isinstance(value, dict):
         return j.string_map(value)
     if not isinstance(value, str) or not value.strip():
         return {}
-    try:
-        parsed = untrusted.loads(value)
-    except untrusted.InputRefused:
-        pairs = (item.partition("=") for item in value.split(","))
-        return {unquote(k.strip()): unquote(v.strip()) for k, sep, v in pairs if sep and k.strip()}
-    return j.string_map(parsed)
+    if value.lstrip().startswith("{"):
+        try:
+            return j.string_map(untrusted.loads(value))
+        except untrusted.InputRefused:
+            return {}
+    pairs = [
+        (k.strip(), v.strip())
+        for k, sep, v in (i.partition("=") for i in value.replace(";", ",").split(","))
+        if sep and k.strip()
+    ]
+    if pairs and pairs[0] == ENCODED_MARK:
+        return {from_alphanumeric(k): from_alphanumeric(v) for k, v in pairs[1:]}
+    return dict(pairs)
 
 
 class PlivoWire(j.JsonStreamWire):

@@ -22,10 +22,12 @@ class TelnyxSettings(CarrierSettings):
     # Webhooks signed longer ago than this (or ahead of our clock by as much) are refused: a
     # captured webhook cannot be replayed later.
     signature_tolerance_s: float = Field(300.0, gt=0, le=3600)
-    # What we send back on the bidirectional stream: L16 at 16 kHz (wideband, the default) or
-    # PCMU at 8 kHz. What the caller sends is the call's own codec, as the stream's start says.
-    codec: Literal["L16", "PCMU", "PCMA"] = "L16"
-    sample_rate: Literal[8000, 16000] = 16000
+    # What we send back on the bidirectional stream. TeXML's <Stream> documents PCMU, PCMA,
+    # G722, OPUS and AMR-WB for `bidirectionalCodec` (PCMU by default), so PCMU at 8 kHz is the
+    # default; L16 (wideband, 16 kHz) is documented for Call Control's streaming, not TeXML: an
+    # opt-in (`CODEC=L16 SAMPLE_RATE=16000`) for accounts where it is known to work.
+    codec: Literal["L16", "PCMU", "PCMA"] = "PCMU"
+    sample_rate: Literal[8000, 16000] = 8000
 
     def check(self, validate: bool) -> None:
         self.require_secret(

@@ -1,10 +1,24 @@
 """Telnyx's side of a call, for `personaplex_phone.simulator` (`phone simulate`, the tests).
 
-TeXML webhooks are form POSTs signed Ed25519 over `timestamp|body` (the simulator holds the
-private half of the server's TELNYX_PUBLIC_KEY: `personaplex-voice phone keypair` makes a pair);
-the stream is unsigned (its ticket is in the URL) and speaks Telnyx's JSON: `start` with
-`media_format` (the caller's codec: PCMU 8 kHz as on the phone network, or L16 16 kHz for a
-wideband leg), base64 RTP payloads, marks echoed after playback.
+Written from Telnyx's published material, not from the bridge (nothing here imports it):
+
+- webhook signatures (developers.telnyx.com, "Receiving webhooks"; the official `telnyx` package's
+  `lib/webhook_verification.py` checks the same): Ed25519 over `<telnyx-timestamp>|<raw body>`,
+  base64 in `telnyx-signature-ed25519`; the simulator holds the private half of the server's
+  TELNYX_PUBLIC_KEY (`personaplex-voice phone keypair` makes a pair). The tests check what it
+  signs with the official package's `verify_webhook_signature`;
+- TeXML `<Stream>` (developers.telnyx.com/docs/voice/programmable-voice/texml-verbs/stream):
+  `codec` is the streamed audio's codec (the call's own when not set, or when Telnyx cannot
+  transcode: it transcodes between PCMU and PCMA only), `bidirectionalCodec` PCMU, PCMA, G722,
+  OPUS or AMR-WB (PCMU by default), `bidirectionalSamplingRate` 8000, 16000 or 24000. A leg's
+  own codec is the side's `inbound_codec`: PCMU or PCMA as on the phone network, L16 for a
+  wideband leg, G722 for an HD leg; the stream carries what `codec` asked for where Telnyx could
+  transcode to it, else the leg's;
+- the media stream (developers.telnyx.com/api-reference/websockets/stream-call-media-over-websocket):
+  unsigned (its ticket is in the URL); `connected`, `start` (top-level `stream_id`,
+  `start.call_control_id`, `media_format` {encoding, sample_rate, channels},
+  `custom_parameters`), `media` with base64 RTP payloads (no RTP header; L16 is RTP's,
+  big-endian), `dtmf`, marks echoed after playback and at once after a `clear`, `stop`.
 """
 
 from __future__ import annotations
@@ -18,12 +32,23 @@ from urllib.parse import urlencode
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from personaplex_phone import sim_sides as kit
+from personaplex_phone.carrier import AudioFormat
 from personaplex_phone.simulator import HttpRequest, StreamOffer
 
-from .signatures import SIGNATURE_HEADER, TIMESTAMP_HEADER, signed_message
-from .wire import audio_format
-
 ACCOUNT_SID = "ac0f3e52-0000-4000-8000-000000000000"
+TRANSCODES = {"PCMU", "PCMA"}  # Telnyx transcodes a stream between these two only
+
+
+def line_format(codec: str, rate: int) -> AudioFormat:
+    """An RTP codec as the simulator plays it: G.711 at 8 kHz, L16 (RTP's: big-endian)."""
+    name = codec.upper()
+    if name in ("PCMU", "PCMA"):
+        return AudioFormat(name.lower(), 8000)  # type: ignore[arg-type]
+    if name == "L16":
+        return AudioFormat("l16", rate, big_endian=True)
+    raise ValueError(f"the simulator cannot play {codec}")
+
+
 USER_ID = "00000000-0000-4000-8000-000000000001"
 
 
@@ -44,9 +69,10 @@ class TelnyxSide(kit.JsonMediaSide):
     def __init__(self, private_key: str, inbound_codec: str = "PCMU", inbound_rate: int = 8000):
         super().__init__()
         self.key = Ed25519PrivateKey.from_private_bytes(base64.b64decode(private_key))
-        self.inbound = audio_format(inbound_codec, inbound_rate)
-        self.inbound_name = inbound_codec.upper()
+        self.leg_codec = inbound_codec.upper()  # the caller's leg
+        self.leg_rate = inbound_rate
         self._control_ids: dict[str, str] = {}
+        self._streamed: dict[str, tuple[str, int]] = {}  # call id -> what its stream carries
 
     @staticmethod
     def new_call_id() -> str:
@@ -54,8 +80,8 @@ class TelnyxSide(kit.JsonMediaSide):
 
     def sign(self, body: bytes, timestamp: int | None = None) -> dict[str, str]:
         stamp = str(int(time.time()) if timestamp is None else timestamp)
-        signature = self.key.sign(signed_message(stamp, body))
-        return {SIGNATURE_HEADER: base64.b64encode(signature).decode(), TIMESTAMP_HEADER: stamp}
+        signature = self.key.sign(stamp.encode() + b"|" + body)
+        return {"telnyx-signature-ed25519": base64.b64encode(signature).decode(), "telnyx-timestamp": stamp}
 
     def _signed(self, path: str, form: dict[str, str]) -> HttpRequest:
         return kit.form_post(path, form, self.sign(urlencode(form).encode()))
@@ -72,23 +98,33 @@ class TelnyxSide(kit.JsonMediaSide):
         if found is None:
             return None
         stream, params = found
-        outbound = audio_format(
+        if stream.get("bidirectionalMode") != "rtp":
+            return None  # mp3 mode plays files, not a live stream
+        outbound = line_format(
             stream.get("bidirectionalCodec", "PCMU"), int(stream.get("bidirectionalSamplingRate", 8000))
         )
-        return StreamOffer(call_id, stream.get("url", ""), params, self.inbound, outbound)
+        asked = (stream.get("codec") or "default").upper()
+        if asked in TRANSCODES and self.leg_codec in TRANSCODES:
+            streamed = (asked, 8000)
+        else:
+            streamed = (self.leg_codec, self.leg_rate)  # the call's own codec
+        self._streamed[call_id] = streamed
+        inbound = line_format(*streamed) if streamed[0] in ("PCMU", "PCMA", "L16") else outbound
+        return StreamOffer(call_id, stream.get("url", ""), params, inbound, outbound)
 
     def control_id(self, call_id: str) -> str:
         return self._control_ids.get(call_id, "")
 
     def start_section(self, offer: StreamOffer, stream_id: str) -> dict[str, Any]:
         control_id = self._control_ids.setdefault(offer.call_id, "v3:" + secrets.token_urlsafe(24))
+        codec, rate = self._streamed.get(offer.call_id, (self.leg_codec, self.leg_rate))
         return {
             "user_id": USER_ID,
             "call_control_id": control_id,
             "call_session_id": secrets.token_hex(8),
             "from": "+15550100002",
             "to": "+15550100001",
-            "media_format": {"encoding": self.inbound_name, "sample_rate": self.inbound.rate, "channels": 1},
+            "media_format": {"encoding": codec, "sample_rate": rate, "channels": 1},
             "custom_parameters": dict(offer.params),
         }
 

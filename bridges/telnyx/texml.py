@@ -1,10 +1,13 @@
 """TeXML, Telnyx's call markup: our answers and the phone call's instructions.
 
 The answer connects the call to our stream in bidirectional RTP mode:
-`<Connect><Stream url=… bidirectionalMode="rtp" bidirectionalCodec="L16"
-bidirectionalSamplingRate="16000">` with `<Parameter>`s that come back in the stream's start.
-Instructions for a live call (a goodbye, a transfer with words, a message then back to the
-agent) are TeXML documents Telnyx fetches by URL.
+`<Connect><Stream url=… track="inbound_track" codec="PCMU" bidirectionalMode="rtp"
+bidirectionalCodec="PCMU" bidirectionalSamplingRate="8000">` with `<Parameter>`s that come back
+in the stream's start. `codec` asks Telnyx to stream the caller's audio in a codec we read (the
+call's own codec otherwise: G.722, Opus, AMR-WB on an HD leg); Telnyx transcodes between PCMU
+and PCMA (developers.telnyx.com/docs/voice/programmable-voice/texml-verbs/stream). Instructions
+for a live call (a goodbye, a transfer with words, a message then back to the agent) are TeXML
+documents Telnyx fetches by URL.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from personaplex_phone import xml_markup
 XML = "application/xml"
 
 
+# The codecs TeXML's <Stream codec> takes that we read; anything else we ask as PCMU.
+STREAM_CODECS = ("PCMU", "PCMA")
+
+
 def connect_stream(url: str, parameters: Mapping[str, str], codec: str, rate: int) -> str:
+    """`codec` and `rate`: what we send back (bidirectional); the caller's audio is asked for
+    in the same codec where TeXML offers it, else in PCMU."""
     response = ET.Element("Response")
     connect = ET.SubElement(response, "Connect")
     stream = ET.SubElement(
@@ -27,6 +36,7 @@ def connect_stream(url: str, parameters: Mapping[str, str], codec: str, rate: in
         {
             "url": url,
             "track": "inbound_track",
+            "codec": codec if codec in STREAM_CODECS else "PCMU",
             "bidirectionalMode": "rtp",
             "bidirectionalCodec": codec,
             "bidirectionalSamplingRate": str(rate),

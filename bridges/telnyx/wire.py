@@ -7,10 +7,12 @@ Telnyx sends JSON text: `connected`; `start` (top-level `stream_id`; `start.call
 (`dtmf.digit`); `error`; `stop`. We send `media` (20 ms of RTP payload in the stream's
 bidirectional codec), `mark` and `clear`.
 
-Codecs: the caller's audio comes in the call's own codec as `media_format` says (PCMU or PCMA at
-8 kHz on the phone network; L16 where the leg is wideband). L16 here is RTP's: **big-endian**
-(network byte order, RFC 3551 §4.5.11), both ways. G.722, Opus and AMR-WB are refused with a
-clear error: ask Telnyx for PCMU/PCMA/L16 (the `codec` attribute of our `<Stream>`).
+Codecs: the caller's audio comes in the codec our `<Stream codec>` asked for (PCMU, or PCMA), as
+`media_format` says; Telnyx falls back to the call's own codec where it cannot transcode (it
+transcodes between PCMU and PCMA only), and L16 comes where a Call Control stream asked for it.
+L16 here is RTP's: **big-endian** (network byte order, RFC 3551 §4.5.11), both ways. A stream
+that still comes in G.722, Opus or AMR-WB (an HD leg Telnyx would not transcode) is refused with
+a clear error: we have no decoder for them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def audio_format(codec: str, rate: int) -> AudioFormat:
     name = _CODECS.get(codec.upper())
     if name is None:
         raise ProtocolError(
-            f"Telnyx codec {codec!r} is not supported here (PCMU, PCMA or L16)", CLOSE_INVALID_DATA
+            f"Telnyx streamed {codec!r}, which we cannot decode (PCMU, PCMA or L16): the call's "
+            "leg is in a codec Telnyx does not transcode to the PCMU our <Stream codec> asked for",
+            CLOSE_INVALID_DATA,
         )
     if name != "l16" and rate != 8000:
         raise ProtocolError(f"{codec} at {rate} Hz: G.711 is 8 kHz", CLOSE_INVALID_DATA)

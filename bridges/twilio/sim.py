@@ -4,6 +4,10 @@ Webhooks are form POSTs signed with `X-Twilio-Signature` over the public URL; th
 upgrade is signed over the Stream URL; the stream speaks the documented JSON (string
 `sequenceNumber`/`chunk`/`timestamp`, base64 μ-law 8 kHz); marks are echoed after playback and,
 after a `clear`, at once.
+
+Sources: twilio.com/docs/voice/media-streams/websocket-messages (the messages),
+twilio.com/docs/usage/security (the signature), and the official `twilio` package, whose
+RequestValidator signs here; nothing of the bridge is imported.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from urllib.parse import parse_qsl, urlsplit
 
 from personaplex_phone import carrier as phone
 from personaplex_phone.carrier import CallFacts, CallStatus, CarrierPaths, Reply, Webhook
@@ -49,7 +50,16 @@ class VonageCarrier(CarrierDefaults):
         if self.settings.dev_skip_signature:
             return True
         secret = self.settings.signature_secret.get_secret_value()
-        return signatures.verify(secret, webhook.headers, webhook.body, self.settings.max_token_age_s)
+        # The query as received, in its order: a GET's payload hash covers its parameters so.
+        query = parse_qsl(urlsplit(webhook.url).query, keep_blank_values=True)
+        return signatures.verify(
+            secret,
+            webhook.headers,
+            webhook.body,
+            self.settings.max_token_age_s,
+            method=webhook.method,
+            query=query,
+        )
 
     def facts(self, webhook: Webhook) -> CallFacts:
         return FIELDS.facts(webhook.fields)

@@ -1,11 +1,20 @@
 """Vonage's side of a call, for `personaplex_phone.simulator` (`phone simulate`, the tests).
 
-The answer webhook is a GET whose `Authorization: Bearer` JWT is signed HS256 with the
-signature secret (`iat` now; events, which have a body, also carry its `payload_hash`); the
-WebSocket is unsigned (its ticket is in the URL): `websocket:connected` with our headers, then
-binary L16 little-endian (640 bytes per 20 ms at 16 kHz), `notify` answered with
-`websocket:notify` once played, `clear` with `websocket:cleared`. The caller hangs up by closing
-the socket.
+Written from Vonage's published material, not from the bridge (nothing here imports it):
+
+- signed webhooks (developer.vonage.com/en/getting-started/concepts/webhooks, "Decoding signed
+  webhooks"): `Authorization: Bearer` a JWT, HS256 with the account's signature secret, claims
+  `iat`, `jti`, `iss`, `api_key` and `payload_hash`;
+- `payload_hash` (api.support.vonage.com, article 19033783342876, "How do I verify that the Voice
+  API Webhook request and its payload has not been tampered during transit?"): SHA-256 hex of the
+  query parameters for a GET, or of the body for a POST, as a JSON object in the parameters'
+  order with no whitespace. The answer webhook is a GET (the application's default answer
+  method), so its hash covers its query;
+- the WebSocket endpoint (developer.vonage.com/en/voice/voice-api/concepts/websockets): unsigned
+  (its ticket is in the URL); `websocket:connected` first, with the endpoint's `content-type`
+  and the NCCO's `headers`; then binary 16-bit linear PCM, little-endian, at the content-type's
+  rate (640 bytes per 20 ms at 16 kHz) both ways; `notify` answered with `websocket:notify` once
+  played, `clear` with `websocket:cleared`; the caller hangs up by closing the socket.
 """
 
 from __future__ import annotations
@@ -14,13 +23,26 @@ import hashlib
 import json
 import secrets
 import time
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import jwt
+from personaplex_phone.carrier import AudioFormat
 from personaplex_phone.sim_sides import SideDefaults, secret, with_query
 from personaplex_phone.simulator import HttpRequest, Ours, StreamOffer
 
-from .wire import audio_format
+
+def payload_hash(payload: dict[str, object]) -> str:
+    """SHA-256 hex of the payload as a JSON object, in order, with no whitespace."""
+    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def line_format(content_type: str) -> AudioFormat:
+    """`audio/l16;rate=16000` as the line's audio (Vonage's L16 is little-endian)."""
+    kind, _, rate = content_type.partition(";")
+    if kind.strip().lower() != "audio/l16":
+        raise ValueError(f"Vonage streams audio/l16, not {content_type!r}")
+    return AudioFormat("l16", int(rate.strip().removeprefix("rate=") or 8000), big_endian=False)
 
 
 class VonageSide(SideDefaults):
@@ -30,16 +52,24 @@ class VonageSide(SideDefaults):
         self.secret = signature_secret
         self.api_key = api_key
 
-    def token(self, body: bytes = b"") -> str:
-        claims = {
+    def token(self, payload: dict[str, object] | None = None) -> str:
+        claims: dict[str, object] = {
             "iat": int(time.time()),
             "jti": secrets.token_hex(8),
             "iss": "Vonage",
             "api_key": self.api_key,
         }
-        if body:
-            claims["payload_hash"] = hashlib.sha256(body).hexdigest()
+        if payload is not None:
+            claims["payload_hash"] = payload_hash(payload)
         return jwt.encode(claims, self.secret, algorithm="HS256")
+
+    def signed_get(self, path: str) -> HttpRequest:
+        """A GET signed over its query parameters, in order (a name given twice keeps its first
+        place and its last value, as a JavaScript object would)."""
+        payload: dict[str, object] = {}
+        for key, value in parse_qsl(urlsplit(path).query, keep_blank_values=True):
+            payload[key] = value
+        return HttpRequest("GET", path, {"Authorization": f"Bearer {self.token(payload)}"})
 
     def answer_request(
         self, public_url: str, call_id: str, to: str, from_: str, query: str = ""
@@ -50,8 +80,7 @@ class VonageSide(SideDefaults):
             "uuid": call_id,
             "conversation_uuid": "CON-" + call_id,
         }
-        path = with_query("/vonage/answer?" + urlencode(values), query, "&")
-        return HttpRequest("GET", path, {"Authorization": f"Bearer {self.token()}"})
+        return self.signed_get(with_query("/vonage/answer?" + urlencode(values), query, "&"))
 
     def parse_answer(self, call_id: str, status: int, body: bytes) -> StreamOffer | None:
         if status != 200:
@@ -61,7 +90,7 @@ class VonageSide(SideDefaults):
         if connect is None:
             return None
         endpoint = connect["endpoint"][0]
-        fmt = audio_format(endpoint["content-type"])
+        fmt = line_format(endpoint["content-type"])
         headers = {k: str(v) for k, v in endpoint.get("headers", {}).items()}
         return StreamOffer(call_id, endpoint["uri"], headers, fmt, fmt)
 
@@ -92,10 +121,9 @@ class VonageSide(SideDefaults):
         return json.dumps({"event": "websocket:cleared"})
 
     def status_request(self, public_url: str, call_id: str, status: str) -> HttpRequest:
-        body = json.dumps(
-            {"status": status, "uuid": call_id, "conversation_uuid": "CON-" + call_id, "duration": "1"}
-        ).encode()
-        headers = {"Authorization": f"Bearer {self.token(body)}", "Content-Type": "application/json"}
+        event = {"status": status, "uuid": call_id, "conversation_uuid": "CON-" + call_id, "duration": "1"}
+        body = json.dumps(event, separators=(",", ":")).encode()
+        headers = {"Authorization": f"Bearer {self.token(event)}", "Content-Type": "application/json"}
         return HttpRequest("POST", "/vonage/event", headers, body)
 
 

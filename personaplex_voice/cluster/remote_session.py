@@ -74,6 +74,8 @@ class RemoteSession(RecordReadout):
         self._input = FrameBuffer(FRAME_SIZE, max_samples=config.max_input_samples)
         self._input_ended = False
         self._end_sent = False
+        self._pieces = 0  # samples of the pieces the input comes in (expect_input_pieces); 0: frames
+        self._pieces_sent = False
         self._out: deque[OutFrame] = deque()
         self._waiters: list[asyncio.Future[None]] = []
         self._worker_stats: dict[str, Any] = {}
@@ -165,6 +167,12 @@ class RemoteSession(RecordReadout):
                 self._counts["dropped_pre_ready_samples"] += dropped
             if self._on_drop is not None:
                 self._on_drop("input_bound", dropped / SAMPLE_RATE)
+        self._send_input()
+
+    def expect_input_pieces(self, seconds: float) -> None:
+        """As `Session.expect_input_pieces`: told to the worker's session before any input."""
+        self._pieces = round(max(0.0, seconds) * SAMPLE_RATE)
+        self._pieces_sent = False
         self._send_input()
 
     def end_input(self) -> None:
@@ -315,6 +323,9 @@ class RemoteSession(RecordReadout):
         channel = self._channel
         if channel is None or self.state not in (SessionState.JOINING, SessionState.RUNNING):
             return
+        if self._pieces and not self._pieces_sent:
+            channel.send_pieces(self._pieces)  # before the first frame: the worker's first tick knows
+            self._pieces_sent = True
         now = time.monotonic()
         while (frame := self._input.pop()) is not None:
             channel.send_audio(frame, now)

@@ -11,8 +11,8 @@ connection itself). Bodies are JSON for the rare control messages and packed bin
 which is float32 both ways so a run through the split is bit-identical to one in process.
 
 Front-end → worker: HELLO (secret and who it is), OPEN (persona, optional ticket), AUDIO (one
-80 ms frame), END_INPUT, CLOSE (reason), CREDIT (lossless flow control), RESERVE / CANCEL
-(tickets), PING.
+80 ms frame), PIECES (the samples of the pieces its input comes in: `Session.expect_input_pieces`),
+END_INPUT, CLOSE (reason), CREDIT (lossless flow control), RESERVE / CANCEL (tickets), PING.
 Worker → front-end: WELCOME (what the worker is), STATUS (occupancy, saturation, cache, metrics;
 also the heartbeat), OPENED, REFUSED (typed: capacity, saturated, persona, ticket, engine),
 READY, FRAME, CLOSED (reason and error), RESERVED.
@@ -43,7 +43,7 @@ from personaplex_voice.engine.base import (
 )
 from personaplex_voice.engine.scheduler import TicketError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PIECES
 HEADER = struct.Struct("<IBI")
 MAX_BODY = 4 << 20  # far above any real message (a frame is ~8 KiB, a persona a few KiB)
 CONTROL_LIMITS = untrusted.JsonLimits(max_bytes=MAX_BODY)
@@ -66,6 +66,7 @@ class Kind(enum.IntEnum):
     RESERVE = 7
     CANCEL = 8
     PING = 9
+    PIECES = 10
     # worker -> front-end
     WELCOME = 32
     STATUS = 33
@@ -148,6 +149,16 @@ def parse_frame(body: bytes) -> tuple[int, float, np.ndarray, str | None, np.nda
     offset += text_len
     pcm = np.frombuffer(body, np.float32, count=FRAME_SIZE, offset=offset).copy()
     return index, stamp, pcm, text, tokens
+
+
+def pieces_message(channel: int, samples: int) -> bytes:
+    return message(Kind.PIECES, channel, _U32.pack(max(0, min(samples, 0xFFFFFFFF))))
+
+
+def parse_pieces(body: bytes) -> int:
+    if len(body) != _U32.size:
+        raise WireError("a pieces message is not 4 bytes")
+    return _U32.unpack(body)[0]
 
 
 def credit_message(channel: int, frames: int) -> bytes:

@@ -42,7 +42,7 @@ from personaplex_voice.cluster import wire
 from personaplex_voice.cluster.placement import persona_fingerprint
 from personaplex_voice.cluster.procs import HopSamples, die_with_parent, host_identity
 from personaplex_voice.cluster.wire import Kind, WireError
-from personaplex_voice.engine.base import EngineError, Persona, PersonaError
+from personaplex_voice.engine.base import SAMPLE_RATE, EngineError, Persona, PersonaError
 from personaplex_voice.engine.scheduler import TicketError
 from personaplex_voice.process.loop_monitor import LoopMonitor
 from personaplex_voice.process.settings import ServerSettings, settings_from_file
@@ -201,6 +201,10 @@ class _Connection(asyncio.Protocol):
                 if self.same_host:
                     self.worker.input_hops.add(time.monotonic() - sent_at)
                 state.session.push(pcm)
+        elif kind is Kind.PIECES:
+            state = self.channels.get(channel)
+            if state is not None and state.session is not None:
+                state.session.expect_input_pieces(wire.parse_pieces(body) / SAMPLE_RATE)
         elif kind is Kind.PING:
             pass
         elif kind is Kind.CREDIT:

@@ -105,6 +105,9 @@ class WorkerChannel:
     def send_audio(self, frame: np.ndarray, sent_at: float) -> None:
         self._link.send(wire.audio_message(self.number, frame, sent_at))
 
+    def send_pieces(self, samples: int) -> None:
+        self._link.send(wire.pieces_message(self.number, samples))
+
     def send_end_input(self) -> None:
         self._link.send(wire.message(Kind.END_INPUT, self.number))
 
