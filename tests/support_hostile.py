@@ -341,7 +341,13 @@ def signature_cases(carrier: str, sim: PhoneSimulator) -> list[tuple[str, HttpRe
     if carrier == "plivo":
         return [("nonce ²", header("X-Plivo-Signature-V3-Nonce", "²"))]
     if carrier == "exotel":
-        return [("Basic ²", header("Authorization", "Basic ²"))]
+        # The dynamic URL is taken on its ?token= (or valid Basic credentials): a wrong token
+        # and a Basic header that is not base64 are each refused.
+        bare = replace(good, path=re.sub(r"([?&])token=[^&]*&?", r"\1", good.path))
+        return [
+            ("Basic ²", replace(bare, headers={"Authorization": "Basic ²"})),
+            ("token ²", replace(bare, path=bare.path + "&token=%C2%B2", headers={})),
+        ]
     if carrier == "asterisk":
         return [("key ²", header("Authorization", "Bearer ²"))]
     return []

@@ -119,7 +119,11 @@ class ExotelWire(j.JsonStreamWire):
         media_format = start.get("media_format") or start.get("mediaFormat") or {}
         if not isinstance(media_format, dict):
             raise ProtocolError("`media_format` must be an object", CLOSE_INVALID_DATA)
-        rate = j.number(media_format.get("sample_rate", media_format.get("sampleRate")))
+        given_rate = media_format.get("sample_rate", media_format.get("sampleRate"))
+        rate = j.number(given_rate)
+        if given_rate is not None and rate is None:
+            # Absent: the rate our stream URL asked for. Present but unreadable: not Exotel's.
+            raise ProtocolError(f"`sample_rate` {str(given_rate)[:20]!r} is not a rate", CLOSE_INVALID_DATA)
         inbound = audio_format(str(media_format.get("encoding", "raw")), rate, self.default_rate)
         outbound = audio_format("raw", inbound.rate)  # we answer in linear PCM at the same rate
         # Messages of a stream without an id are that stream's too (nothing names another).
