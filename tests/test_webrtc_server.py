@@ -102,7 +102,9 @@ def test_refusals_are_http_answers_with_the_reason(server):
         facts = post({"text_prompt": "{a}", "caller.bad-name": "x"})
         assert facts.status_code == 400 and "caller fact" in facts.text
         # The same refusals through Pipecat's endpoint, as its FastAPI server words them.
-        pipecat = http.post("/api/offer", json={"sdp": offer, "type": "offer", "requestData": {"voice_prompt": "NOPE"}})
+        pipecat = http.post(
+            "/api/offer", json={"sdp": offer, "type": "offer", "requestData": {"voice_prompt": "NOPE"}}
+        )
         assert pipecat.status_code == 400 and "NOPE" in pipecat.json()["detail"]
         assert http.post("/api/offer", json={"sdp": offer, "type": "answer"}).status_code == 400
     assert active(server) == 0  # nothing was left open by any refusal
@@ -117,7 +119,9 @@ def test_a_full_server_answers_503_with_retry_after(speech):
             assert result.status == 201 and result.handshake_at is not None
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
                 offer = await _offer_sdp()
-                whip = await http.post("/api/whip", content=offer, headers={"content-type": "application/sdp"})
+                whip = await http.post(
+                    "/api/whip", content=offer, headers={"content-type": "application/sdp"}
+                )
                 pipecat = await http.post("/api/offer", json={"sdp": offer, "type": "offer"})
             await first.hang_up("delete")
             return whip, pipecat
@@ -131,7 +135,9 @@ def test_a_full_server_answers_503_with_retry_after(speech):
 def test_an_api_key_is_required_when_set(speech):
     with running_server("--api-key", "s3cret") as srv:
         offer = asyncio.run(_offer_sdp())
-        refused = httpx.post(srv.url + "/api/whip", content=offer, headers={"content-type": "application/sdp"})
+        refused = httpx.post(
+            srv.url + "/api/whip", content=offer, headers={"content-type": "application/sdp"}
+        )
         assert refused.status_code == 401 and refused.headers["x-personaplex-error"] == "auth"
         assert httpx.get(srv.url + "/api/webrtc").status_code == 401
         config = httpx.get(srv.url + "/api/webrtc", headers={"authorization": "Bearer s3cret"}).json()
@@ -156,11 +162,17 @@ def test_the_whip_session_resource_answers_as_rfc_9725_says(server):
             frag += "a=candidate:1 1 udp 2122260223 192.0.2.99 61764 typ host\r\n"
             sdpfrag = {"content-type": "application/trickle-ice-sdpfrag"}
             out["trickle"] = await http.patch(location, content=frag, headers={**sdpfrag, "if-match": etag})
-            out["stale"] = await http.patch(location, content=frag, headers={**sdpfrag, "if-match": '"other"'})
+            out["stale"] = await http.patch(
+                location, content=frag, headers={**sdpfrag, "if-match": '"other"'}
+            )
             restart = frag.replace(ufrag, "newufrag")
             out["restart"] = await http.patch(location, content=restart, headers=sdpfrag)
-            out["restart_star"] = await http.patch(location, content=frag, headers={**sdpfrag, "if-match": "*"})
-            out["wrong_type"] = await http.patch(location, content=frag, headers={"content-type": "text/plain"})
+            out["restart_star"] = await http.patch(
+                location, content=frag, headers={**sdpfrag, "if-match": "*"}
+            )
+            out["wrong_type"] = await http.patch(
+                location, content=frag, headers={"content-type": "text/plain"}
+            )
             out["get"] = await http.get(location)
             tag, _, token = location.rsplit("/", 1)[1].partition("-")
             out["unknown"] = await http.delete(f"/api/whip/{tag}-{'A' * 22}")

@@ -407,6 +407,7 @@ def test_the_chat_dialect_speaks_the_api_chat_kinds():
 def test_the_rtvi_dialect_speaks_as_pipecats_server():
     rtvi = Rtvi()
     assert rtvi.read("ping: 1733000000000").hang_up is False
+    assert rtvi.ready() == []  # bot-ready answers client-ready, never comes before it
     said = rtvi.read(json.dumps({"label": "rtvi-ai", "type": "client-ready", "id": "abc", "data": {}}))
     assert said.ready_request
     ready = json.loads(rtvi.ready()[0])

@@ -9,8 +9,8 @@ pieces, an error before the server ends the call); each endpoint speaks them its
   0x06 pings (the page does, every second) to show it is alive; other kinds are ignored.
 * **RTVI** (`POST /api/offer`, Pipecat's small-WebRTC client): JSON messages labelled `rtvi-ai`
   as Pipecat's server sends them (pipecat/processors/frameworks/rtvi/models.py, pipecat-ai
-  1.14): `server-message` for the metadata, `bot-ready` for the handshake (answering the
-  client's `client-ready` id), `bot-transcription` for each text piece, `error` (fatal) and then
+  1.14): `server-message` for the metadata, `bot-ready` for the handshake (once the persona
+  is in and the client said `client-ready`, answering its id), `bot-transcription` for each text piece, `error` (fatal) and then
   Pipecat's `signalling` `peerLeft` before the server ends the call. From the client: its
   `ping: <ms>` keepalive strings, `signalling` `trackStatus` messages, `client-ready`, and
   `disconnect-bot` (hang up), as pipecat/transports/smallwebrtc/connection.py reads them.
@@ -91,14 +91,12 @@ class Rtvi:
         return [self._message("server-message", {"type": "personaplex-metadata", "metadata": data})]
 
     def ready(self) -> list[Payload]:
+        """`bot-ready` answers the client's `client-ready` (as Pipecat's RTVI processor does):
+        nothing before it; the call sends it again when the client asks."""
+        if self._client_ready_id is None:
+            return []
         about = {"library": "personaplex-voice", "transport": "small-webrtc"}
-        return [
-            self._message(
-                "bot-ready",
-                {"version": self.VERSION, "about": about},
-                id=self._client_ready_id or uuid.uuid4().hex,
-            )
-        ]
+        return [self._message("bot-ready", {"version": self.VERSION, "about": about}, id=self._client_ready_id)]
 
     def text(self, piece: str) -> list[Payload]:
         return [self._message("bot-transcription", {"text": piece})]
@@ -124,8 +122,8 @@ class Rtvi:
         if data.get("label") != self.LABEL:
             return ClientSaid()
         if data.get("type") == "client-ready":
-            if isinstance(data.get("id"), str):
-                self._client_ready_id = data["id"][:128]
+            given = data.get("id")
+            self._client_ready_id = given[:128] if isinstance(given, str) and given else uuid.uuid4().hex
             return ClientSaid(ready_request=True)
         if data.get("type") == "disconnect-bot":
             return ClientSaid(hang_up=True)
