@@ -150,8 +150,8 @@ class LossyRelay(asyncio.DatagramProtocol):
         if destination is None:
             return
         direction = "to_server" if to_server else "to_client"
-        # RTP (RFC 7983 demux: first byte 128-191) with a payload type below 64, i.e. not RTCP.
-        is_media = 128 <= data[0] <= 191 and len(data) > 1 and (data[1] & 0x7F) < 64
+        # RTP or RTCP by RFC 7983 (first byte 128-191); RTCP by RFC 5761 (packet type 192-223).
+        is_media = 128 <= data[0] <= 191 and len(data) > 1 and not 192 <= data[1] <= 223
         if is_media and self.random.random() < self.loss:
             self.dropped[direction] += 1
             return

@@ -38,12 +38,15 @@ class PacedPacket:
 class PacketPacer:
     """FIFO of packets, each due a packet's length after the previous one of its frame.
 
-    Bounded: past `max_packets` (the peer's transport stalled, or is not connected yet) the
-    oldest are dropped and counted, so a late connection starts with fresh audio."""
+    Bounded: past `max_packets` the oldest are dropped and counted, and so is a packet found
+    more than `max_late_s` past its time when it is taken (the peer connection was not up yet,
+    or its sender stalled): stale audio sent in a burst would only teach the peer's jitter
+    buffer to wait longer for the rest of the call."""
 
-    def __init__(self, packet_s: float = 0.020, max_packets: int = 25) -> None:
+    def __init__(self, packet_s: float = 0.020, max_packets: int = 25, max_late_s: float = 0.100) -> None:
         self.packet_s = packet_s
         self.max_packets = max_packets
+        self.max_late_s = max_late_s
         self._queue: deque[PacedPacket] = deque()
         self.dropped = 0
 
@@ -60,7 +63,12 @@ class PacketPacer:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def next_due(self) -> float | None:
+    def next_due(self, now: float | None = None) -> float | None:
+        """When the next packet may leave; with `now`, stale packets are dropped first."""
+        if now is not None:
+            while self._queue and now - self._queue[0].due > self.max_late_s:
+                self._queue.popleft()
+                self.dropped += 1
         return self._queue[0].due if self._queue else None
 
     def pop(self) -> PacedPacket:
@@ -86,12 +94,13 @@ class AgentTrack(MediaStreamTrack):
         while True:
             if self.readyState != "live":
                 raise MediaStreamError
-            due = self.pacer.next_due()
+            now = time.monotonic()
+            due = self.pacer.next_due(now)
             if due is None:
                 self._more.clear()
                 await self._more.wait()
                 continue
-            wait = due - time.monotonic()
+            wait = due - now
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue  # the queue may have been trimmed meanwhile

@@ -64,6 +64,8 @@ MAX_BUFFERED_BYTES = 256 * 1024  # a client not reading its data channel loses t
 MIN_EXPECTED_LOSS_PCT = 5  # FEC is always carried: the first loss is rebuilt, not only later ones
 FRAME_TICKS = FRAME_SIZE * RTP_CLOCK // SAMPLE_RATE  # RTP ticks per 80 ms session frame
 GATHER_TIMEOUT_S = 10.0  # building an answer (ICE gathering through STUN/TURN included)
+# The caller's audio is pushed this far ahead of the session's tick (see `_align_phase`).
+INPUT_MARGIN_S = 0.040
 
 
 class CallEnded(Exception):
@@ -365,6 +367,7 @@ class WebRTCCall:
         try:
             self._send(self.dialect.metadata(self._metadata()))
             await self._wait_until_ready()
+            self._align_phase()
             self._live = True
             self._send(self.dialect.ready())
             await self._pump()
@@ -408,6 +411,30 @@ class WebRTCCall:
                 ready.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ready
+
+    def _align_phase(self) -> None:
+        """An uplink jitter buffer of `INPUT_MARGIN_S`, set once against the session's clock.
+
+        The caller's audio comes in 20 ms packets and the session takes 80 ms frames at its
+        ticks, waiting a little (`late_wait_s`) for a frame that is not complete: with the
+        packets' phase left to chance, a tick can fall just as a frame's last packet is due,
+        and a few ms of network or scheduling jitter then make the frame late (80 ms of silence
+        in what the model hears). A little silence pushed first puts every frame's end
+        `INPUT_MARGIN_S` before its tick, so that much jitter, plus the session's own wait, costs
+        nothing. Lossless hosts wait for input anyway: nothing is pushed there."""
+        if not self.config.realtime:
+            return
+        margin = round(INPUT_MARGIN_S * SAMPLE_RATE)
+        until_tick = self.session.seconds_to_next_tick()
+        if until_tick is None:
+            # The engine's clock is idle and starts with this session's first full frame: one
+            # frame of silence starts it now and leaves the margin queued behind it.
+            lead = FRAME_SIZE + margin
+        else:
+            arriving = round(until_tick * SAMPLE_RATE)  # caller audio that comes before that tick
+            lead = (margin - arriving) % FRAME_SIZE
+        if lead:
+            self.session.push(np.zeros(lead, np.float32))
 
     async def _pump(self) -> None:
         encoder = self._encoder

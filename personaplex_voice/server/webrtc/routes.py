@@ -103,13 +103,14 @@ def _refused(request: Request, refusal: Refusal, as_json: bool) -> Response:
 
 
 def _not_here(request: Request, exc: CallNotHere, as_json: bool) -> Response:
+    headers = {"cache-control": "no-store", **_cors(request)}
     if exc.elsewhere:
         message = "this call is held by another server process: retry the request on a new connection"
         status = 421
+        headers["connection"] = "close"  # so the retry opens one (and may reach the right process)
     else:
         message = "no such call (it ended, or the id is wrong)"
         status = 404
-    headers = {"cache-control": "no-store", **_cors(request)}
     if as_json:
         return JSONResponse({"detail": message}, status, headers=headers)
     return PlainTextResponse(message + "\n", status, headers=headers)
