@@ -122,8 +122,10 @@ def webrtc_call(server, microphone_wav: Path, *, seconds: float, loss: float = 0
                 assert page.input_value("#transport") == "webrtc"
                 page.fill("#prompt", "You enjoy having a good conversation.")
                 page.click("#connect")
-                page.wait_for_function("window.personaplex.phase === 'live' || window.personaplex.error", timeout=60_000)
-                assert not page.evaluate("window.personaplex.error"), page.evaluate("window.personaplex.error")
+                live = "window.personaplex.phase === 'live' || window.personaplex.error"
+                page.wait_for_function(live, timeout=60_000)
+                error = page.evaluate("window.personaplex.error")
+                assert not error, error
                 page.click("#record")
                 page.wait_for_timeout(round(seconds * 1000))
                 page.click("#record")

@@ -10,8 +10,8 @@ pieces, an error before the server ends the call); each endpoint speaks them its
 * **RTVI** (`POST /api/offer`, Pipecat's small-WebRTC client): JSON messages labelled `rtvi-ai`
   as Pipecat's server sends them (pipecat/processors/frameworks/rtvi/models.py, pipecat-ai
   1.14): `server-message` for the metadata, `bot-ready` for the handshake (once the persona
-  is in and the client said `client-ready`, answering its id), `bot-transcription` for each text piece, `error` (fatal) and then
-  Pipecat's `signalling` `peerLeft` before the server ends the call. From the client: its
+  is in and the client said `client-ready`, answering its id), `bot-transcription` for each
+  text piece, `error` (fatal) and then Pipecat's `signalling` `peerLeft` before the server ends the call. From the client: its
   `ping: <ms>` keepalive strings, `signalling` `trackStatus` messages, `client-ready`, and
   `disconnect-bot` (hang up), as pipecat/transports/smallwebrtc/connection.py reads them.
 
@@ -96,7 +96,8 @@ class Rtvi:
         if self._client_ready_id is None:
             return []
         about = {"library": "personaplex-voice", "transport": "small-webrtc"}
-        return [self._message("bot-ready", {"version": self.VERSION, "about": about}, id=self._client_ready_id)]
+        data = {"version": self.VERSION, "about": about}
+        return [self._message("bot-ready", data, id=self._client_ready_id)]
 
     def text(self, piece: str) -> list[Payload]:
         return [self._message("bot-transcription", {"text": piece})]
