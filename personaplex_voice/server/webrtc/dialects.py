@@ -12,8 +12,9 @@ pieces, an error before the server ends the call); each endpoint speaks them its
   1.14): `server-message` for the metadata, `bot-ready` for the handshake (once the persona
   is in and the client said `client-ready`, answering its id), `bot-transcription` for each
   text piece, `error` (fatal) and then Pipecat's `signalling` `peerLeft` before the server
-  ends the call. From the client: its `ping: <ms>` keepalive strings, `signalling` `trackStatus` messages, `client-ready`, and
-  `disconnect-bot` (hang up), as pipecat/transports/smallwebrtc/connection.py reads them.
+  ends the call. From the client: its `ping: <ms>` keepalive strings, `signalling`
+  `trackStatus` messages, `client-ready`, and `disconnect-bot` (hang up), as
+  pipecat/transports/smallwebrtc/connection.py reads them.
 
 A dialect turns events into data-channel payloads and reads what the client sends; it owns no
 channel and no call.
