@@ -251,3 +251,34 @@ async def _offer_sdp() -> str:
     sdp = pc.localDescription.sdp
     await pc.close()
     return sdp
+
+
+def test_webrtc_calls_run_in_cluster_front_ends(speech):
+    """Two front-end processes on one port, one engine worker: a call is answered by whichever
+    front-end the kernel picks; a later request that lands on the other one gets 421, and the
+    retry on a new connection reaches the call's own front-end."""
+    with running_server("--workers", "2", "--engine-workers", "1", timeout=180) as srv:
+
+        async def scenario() -> tuple[list[int], float]:
+            statuses: list[int] = []
+            similarity = 0.0
+            for _ in range(4):  # enough calls that some follow-ups meet the other front-end
+                caller = WebRTCCaller(srv.url, speech[: 2 * SR])
+                result = await caller.connect()
+                assert result.status == 201 and result.handshake_at is not None, result.body
+                await caller.speak(tail_s=1.0)
+                similarity = max(similarity, echo_similarity(speech[: 2 * SR], result.pcm))
+                for _ in range(12):  # a new connection (a new client) each time
+                    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+                        status = (await http.delete(caller.location)).status_code
+                    statuses.append(status)
+                    if status != 421:
+                        break
+                assert status == 200, statuses
+                await caller.close()
+            return statuses, similarity
+
+        statuses, similarity = asyncio.run(scenario())
+        wait_until(lambda: active(srv) == 0, 20, "every slot freed")
+    assert set(statuses) <= {200, 421}
+    assert similarity >= 0.8
