@@ -355,22 +355,22 @@ def run_level(loss: float, calls: int, seconds: float, kernel: bool) -> dict[str
                 set_kernel_loss(loss)  # ...then the loss holds for the whole call
             cpu0, t0 = process_cpu_s(pid), time.monotonic()
 
-            async def all_calls(transport: str = transport) -> list[Timeline]:
+            async def all_calls(transport: str = transport) -> list[Any]:
                 if transport == "websocket":
                     url = server.ws_url + "/api/chat?text_prompt=hi"
-                    return list(await asyncio.gather(*(ws_caller(url, audio, seconds) for _ in range(calls))))
-                relay = 0.0 if kernel else loss / 100
-                return list(
-                    await asyncio.gather(
-                        *(webrtc_caller(server.url, audio, seconds, relay) for _ in range(calls))
-                    )
-                )
+                    callers = [ws_caller(url, audio, seconds) for _ in range(calls)]
+                else:
+                    relay = 0.0 if kernel else loss / 100
+                    callers = [webrtc_caller(server.url, audio, seconds, relay) for _ in range(calls)]
+                return list(await asyncio.gather(*callers, return_exceptions=True))
 
             try:
-                lines = asyncio.run(all_calls())
+                outcomes = asyncio.run(all_calls())
             finally:
                 if kernel:
                     set_kernel_loss(0)
+            lines = [o for o in outcomes if isinstance(o, Timeline)]
+            failed = [f"{type(o).__name__}: {o}"[:200] for o in outcomes if not isinstance(o, Timeline)]
             cpu = process_cpu_s(pid) - cpu0
             elapsed = time.monotonic() - t0
             session_s = max(1, len(lines)) * seconds
