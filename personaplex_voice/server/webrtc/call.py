@@ -3,8 +3,8 @@
 The one owner of a call's transport state: its peer connection (replaced whole when a Pipecat
 client restarts it), the caller's audio path (`CallerAudio`), the agent's (`AgentTrack` fed
 through a `PacketPacer`), the data channel and the dialect spoken on it, and how the call ends.
-The session (slot, queue, persona) is the host's; the call only opens... no: it is handed an
-open session and closes it exactly once, when the call ends for any reason.
+The session (slot, queue, persona) is the host's: the call is handed it open, and closes it
+exactly once, when the call ends for any reason.
 
 Life of a call:
 1. the endpoint opened the session (refusals are its HTTP answers) and calls `start(offer)`:
@@ -583,19 +583,12 @@ class WebRTCCall:
             self.ended_event.set()
 
     def _log_end(self, ended: CallEnded) -> None:
+        """Two INFO lines (why the call ended; the session's counts, as /api/chat logs them, and
+        the caller's RTP), and the WARNING of a session that lost audio to keep the clock."""
         stats = self.session.stats
         media = self._meter.summary(stats["duration_s"])
         caller = self._caller.stats.as_dict() if self._caller is not None else {}
-        level = logging.DEBUG if ended.kind == "client" else logging.INFO
-        log.log(
-            level if ended.kind in ("client", "session_ended") else logging.INFO,
-            "webrtc call %s (session %s, %s) ended (%s): %s",
-            self.id,
-            self.session.id,
-            self.endpoint,
-            ended.kind,
-            ended.message,
-        )
+        log.info("webrtc call %s (%s) ended (%s): %s", self.id, self.endpoint, ended.kind, ended.message)
         log.info(
             "session %s closed (%s): %.1f s of audio, %d late frames, %d dropped output frames, "
             "media path %.2f ms per second; caller RTP %d packets, %d lost, %d late, fec %.0f ms, "
