@@ -78,17 +78,29 @@ class RelayLoop:
 
 def longest_gap_ms(mic: np.ndarray, agent: np.ndarray, rate: int) -> float:
     """The longest run of silence (under -50 dBFS in 10 ms windows) in the echo where the
-    microphone, at the echo's delay, had speech (over -35 dBFS)."""
+    microphone had speech (over -35 dBFS). The echo is found second by second (its delay may
+    move by a frame when the server's jitter buffer drops or adds one), within 300 ms of its
+    overall delay."""
     from scipy.signal import correlate
 
-    lag = int(np.argmax(correlate(agent, mic, mode="full", method="fft"))) - (len(mic) - 1)
-    window = rate // 100
+    overall = int(np.argmax(correlate(agent, mic, mode="full", method="fft"))) - (len(mic) - 1)
+    window, block, reach = rate // 100, rate, int(0.3 * rate)
     longest = run = 0
-    for start in range(max(0, -lag), min(len(mic), len(agent) - lag) - window, window):
-        spoken = np.sqrt(np.mean(mic[start : start + window] ** 2)) > 10 ** (-35 / 20)
-        heard = np.sqrt(np.mean(agent[start + lag : start + lag + window] ** 2)) > 10 ** (-50 / 20)
-        run = run + 1 if spoken and not heard else 0
-        longest = max(longest, run)
+    for start in range(0, len(mic) - block, block):
+        ref = mic[start : start + block]
+        lo = max(0, start + overall - reach)
+        around = agent[lo : start + overall + block + reach]
+        if len(around) < block or np.sqrt(np.mean(ref**2)) < 1e-3:
+            lag = overall
+        else:
+            lag = lo + int(np.argmax(correlate(around, ref, mode="valid", method="fft"))) - start
+        for w in range(start, start + block, window):
+            if not 0 <= w + lag <= len(agent) - window:
+                continue
+            spoken = np.sqrt(np.mean(mic[w : w + window] ** 2)) > 10 ** (-35 / 20)
+            heard = np.sqrt(np.mean(agent[w + lag : w + lag + window] ** 2)) > 10 ** (-50 / 20)
+            run = run + 1 if spoken and not heard else 0
+            longest = max(longest, run)
     return 10.0 * longest
 
 
@@ -191,27 +203,31 @@ def test_the_page_over_webrtc_hears_its_speech_with_meters_stats_and_recording(m
     assert "whip" in log and "DELETE /api/whip/" in log
 
 
-@pytest.mark.parametrize("loss", [0.05, 0.10])
-def test_the_webrtc_echo_stays_continuous_under_packet_loss(microphone_wav, loss):
-    with running_server("--max-sessions", "1") as server:
-        call = webrtc_call(server, microphone_wav, seconds=10, loss=loss, seed=int(loss * 100))
-        wait_free(server)
-        metrics = httpx.get(server.url + "/metrics", timeout=10).text
-    relay = call["relay"]
-    assert relay is not None
-    # The loss happened, both ways, about as asked.
-    for direction in ("to_server", "to_client"):
-        sent = relay.dropped[direction] + relay.forwarded[direction]
-        assert relay.dropped[direction] >= 0.5 * loss * sent and sent > 200, relay.dropped
-    assert call["state"]["stats"]["lossPct"] > 0  # the page saw it in getStats
-    # The server counted the caller's losses and rebuilt some from Chromium's in-band FEC (which
-    # Chromium adds once the server's receiver reports show loss).
-    assert metric(metrics, "personaplex_webrtc_caller_lost_packets_total") > 0
-    assert metric(metrics, "personaplex_webrtc_caller_filled_seconds_total", how="fec") > 0
-    recording, rate = call["recording"], call["rate"]
-    agent, mic = recording[:, 0], recording[:, 1]
-    gap = longest_gap_ms(mic, agent, rate)
-    similarity = echo_similarity(mic, agent, rate=rate)
-    print(f"loss {loss:.0%}: longest gap {gap:.0f} ms, echo similarity {similarity:.3f}")
-    assert gap <= 100, gap
-    assert similarity >= 0.7, similarity
+def test_the_webrtc_echo_stays_continuous_under_5_and_10_percent_packet_loss(microphone_wav):
+    """Both levels in one test, one after the other: two Chromium calls at once on a small
+    machine would measure the machine, not the loss."""
+    for loss in (0.05, 0.10):
+        with running_server("--max-sessions", "1") as server:
+            call = webrtc_call(server, microphone_wav, seconds=10, loss=loss, seed=int(loss * 100))
+            wait_free(server)
+            metrics = httpx.get(server.url + "/metrics", timeout=10).text
+            log = server.log().splitlines()
+            ended = [line for line in log if "closed (" in line or "to keep the frame" in line]
+        relay = call["relay"]
+        assert relay is not None
+        # The loss happened, both ways, about as asked.
+        for direction in ("to_server", "to_client"):
+            sent = relay.dropped[direction] + relay.forwarded[direction]
+            assert relay.dropped[direction] >= 0.5 * loss * sent and sent > 200, relay.dropped
+        assert call["state"]["stats"]["lossPct"] > 0  # the page saw it in getStats
+        # The server counted the caller's losses and rebuilt some from Chromium's in-band FEC
+        # (which Chromium adds once the server's receiver reports show loss).
+        assert metric(metrics, "personaplex_webrtc_caller_lost_packets_total") > 0
+        assert metric(metrics, "personaplex_webrtc_caller_filled_seconds_total", how="fec") > 0
+        recording, rate = call["recording"], call["rate"]
+        agent, mic = recording[:, 0], recording[:, 1]
+        gap = longest_gap_ms(mic, agent, rate)
+        similarity = echo_similarity(mic, agent, rate=rate)
+        print(f"loss {loss:.0%}: longest gap {gap:.0f} ms, echo similarity {similarity:.3f}")
+        assert gap <= 100, (loss, gap, ended, call["state"]["stats"])
+        assert similarity >= 0.7, (loss, similarity, ended)

@@ -65,7 +65,7 @@ MIN_EXPECTED_LOSS_PCT = 5  # FEC is always carried: the first loss is rebuilt, n
 FRAME_TICKS = FRAME_SIZE * RTP_CLOCK // SAMPLE_RATE  # RTP ticks per 80 ms session frame
 GATHER_TIMEOUT_S = 10.0  # building an answer (ICE gathering through STUN/TURN included)
 # The caller's audio is pushed this far ahead of the session's tick (see `_align_phase`).
-INPUT_MARGIN_S = 0.040
+INPUT_MARGIN_S = 0.060
 
 
 class CallEnded(Exception):
