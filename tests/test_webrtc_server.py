@@ -282,3 +282,46 @@ def test_webrtc_calls_run_in_cluster_front_ends(speech):
         wait_until(lambda: active(srv) == 0, 20, "every slot freed")
     assert set(statuses) <= {200, 421}
     assert similarity >= 0.8
+
+
+def test_a_data_channel_flood_ends_the_call(speech):
+    """More than a voice call's worth of data-channel bytes (/api/chat's 128 KiB/s past a 2 MiB
+    burst): the call ends as `too_fast` and its slot is freed. (The 0x05 saying so is sent, but
+    a client that floods its own association may not read it before the close.)"""
+    with running_server("--max-sessions", "1") as srv:
+
+        async def scenario() -> None:
+            caller = WebRTCCaller(srv.url, speech[:SR])
+            result = await caller.connect()
+            assert result.handshake_at is not None
+            for _ in range(3000):  # 6 MB, queued at once: SCTP sends it as fast as it can
+                caller.channel.send(b"\x03" + b"x" * 2000)
+            freed = (wait_until, lambda: active(srv) == 0, 60, "the flooding caller's slot freed")
+            await asyncio.to_thread(*freed)
+            await caller.close()
+
+        asyncio.run(scenario())
+        log = srv.log()
+    assert "ended (too_fast): the client sends far more data than a voice call needs" in log
+
+
+def test_shutdown_tells_webrtc_callers_why(speech):
+    """SIGTERM: a WebRTC caller gets 0x05 "the session ended on the server (shutdown)" on its
+    data channel before the peer connection closes, as /api/chat callers do."""
+    from support_server import stop_server
+
+    with running_server("--max-sessions", "1") as srv:
+
+        async def scenario():
+            caller = WebRTCCaller(srv.url, speech[:SR])
+            result = await caller.connect()
+            assert result.handshake_at is not None
+            await asyncio.to_thread(stop_server, srv)
+            deadline = time.monotonic() + 15
+            while not result.errors and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await caller.close()
+            return result
+
+        result = asyncio.run(scenario())
+    assert result.errors == ["the session ended on the server (shutdown)"]

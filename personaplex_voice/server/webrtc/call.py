@@ -42,9 +42,10 @@ from aiortc import (
 )
 from aiortc.sdp import candidate_from_sdp
 
-from personaplex_voice.audio.budget import DecodeBudget, DecodeBudgetExceeded
+from personaplex_voice.audio.budget import DecodeBudget, DecodeBudgetExceeded, TokenBucket
 from personaplex_voice.audio.opus_packets import RTP_CLOCK, OpusPacketDecoder, OpusPacketEncoder
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE, PersonaError, SaturatedError
+from personaplex_voice.server.chat import BYTES_BURST, BYTES_PER_S
 from personaplex_voice.server.protocol import ChatParams
 from personaplex_voice.server.webrtc.agent_audio import AgentTrack, PacketPacer
 from personaplex_voice.server.webrtc.caller_audio import CallerAudio
@@ -142,6 +143,7 @@ class WebRTCCall:
         self._track: AgentTrack | None = None
         self._pacer = PacketPacer()
         self._budget = DecodeBudget(SAMPLE_RATE)
+        self._data_bytes = TokenBucket(BYTES_PER_S, BYTES_BURST)  # /api/chat's message budget
         self._caller: CallerAudio | None = None
         self._encoder: OpusPacketEncoder | None = None
         self._channel: Any = None
@@ -301,6 +303,13 @@ class WebRTCCall:
 
     def _on_message(self, message: Payload) -> None:
         self._last_heard = time.monotonic()
+        if self.ended is not None:
+            return
+        if not self._data_bytes.take(len(message)):
+            limit = f"over {BYTES_PER_S // 1024} KiB/s"
+            why = f"the client sends far more data than a voice call needs ({limit})"
+            self.end_soon(CallEnded("too_fast", why, "refused"))
+            return
         if len(message) > MAX_INBOUND_BYTES:
             return
         self.metrics.data_messages_in.inc(label=inbound_kind(message))
