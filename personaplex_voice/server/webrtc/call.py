@@ -151,6 +151,7 @@ class WebRTCCall:
         self._tasks: list[asyncio.Task[None]] = []
         self._finisher: asyncio.Task[None] | None = None
         self._live = False  # the handshake is out: the caller's audio reaches the session
+        self._phased = False  # the uplink margin is set (at the first audio after the handshake)
         self._connected = False
         self._ever_connected = False
         self._answered_at = time.monotonic()
@@ -338,10 +339,13 @@ class WebRTCCall:
             self._meter.add(time.perf_counter() - started)
 
     def _caller_pcm(self, pcm: np.ndarray) -> None:
-        if self._live and not self.session.closed:
-            self.session.push(pcm)
-        else:
+        if not self._live or self.session.closed:
             self.pre_ready_ms += 1000 * len(pcm) / SAMPLE_RATE
+            return
+        if not self._phased:  # the caller's first audio since the handshake (see _align_phase)
+            self._phased = True
+            self._align_phase(len(pcm))
+        self.session.push(pcm)
 
     # -- the data channel ------------------------------------------------------------------------
 
@@ -376,7 +380,6 @@ class WebRTCCall:
         try:
             self._send(self.dialect.metadata(self._metadata()))
             await self._wait_until_ready()
-            self._align_phase()
             self._live = True
             self._send(self.dialect.ready())
             await self._pump()
@@ -421,28 +424,32 @@ class WebRTCCall:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ready
 
-    def _align_phase(self) -> None:
-        """An uplink jitter buffer of `INPUT_MARGIN_S`, set once against the session's clock.
+    def _align_phase(self, first: int) -> None:
+        """An uplink jitter buffer of `INPUT_MARGIN_S`, set once against the session's clock,
+        just before the caller's first audio (`first` samples) after the handshake reaches the
+        session (not at the handshake: the media may still be connecting then, and the session
+        would count the wait as late frames).
 
         The caller's audio comes in 20 ms packets and the session takes 80 ms frames at its
         ticks, waiting a little (`late_wait_s`) for a frame that is not complete: with the
         packets' phase left to chance, a tick can fall just as a frame's last packet is due,
         and a few ms of network or scheduling jitter then make the frame late (80 ms of silence
         in what the model hears). A little silence pushed first puts every frame's end
-        `INPUT_MARGIN_S` before its tick, so that much jitter, plus the session's own wait, costs
-        nothing. Lossless hosts wait for input anyway: nothing is pushed there."""
+        `INPUT_MARGIN_S` before its tick, so that much jitter (or two lost packets in a row,
+        concealed by the clock), plus the session's own wait, costs nothing. Lossless hosts wait
+        for input anyway: nothing is pushed there."""
         if not self.config.realtime:
             return
         margin = round(INPUT_MARGIN_S * SAMPLE_RATE)
         until_tick = self.session.seconds_to_next_tick()
         if until_tick is None:
-            # The engine's clock is idle and starts with this session's first full frame: one
-            # frame of silence starts it now and leaves the margin queued behind it.
-            lead = FRAME_SIZE + margin
+            # The engine's clock is idle and starts with this session's first full frame: it
+            # starts now, and leaves the margin queued behind that frame.
+            lead = FRAME_SIZE + margin - first
         else:
-            arriving = round(until_tick * SAMPLE_RATE)  # caller audio that comes before that tick
+            arriving = first + round(until_tick * SAMPLE_RATE)  # caller audio queued by that tick
             lead = (margin - arriving) % FRAME_SIZE
-        if lead:
+        if lead > 0:
             self.session.push(np.zeros(lead, np.float32))
 
     async def _pump(self) -> None:
