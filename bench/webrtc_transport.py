@@ -10,10 +10,12 @@ can be found in what comes back.
   match; `apt-get install iptables`), the run moves into its own network namespace and the
   kernel drops that share of every packet both ways, UDP and TCP alike: the WebSocket path meets
   the same loss as WebRTC (and TCP's answer to it, retransmission, holds back every later
-  byte). Elsewhere the loss is injected at the RTP layer by a UDP relay (tests/support_webrtc.py)
-  and the WebSocket rows under loss say "not measured".
-* **server_cpu_ms_per_session_s**: the server process's CPU time (user + system, /proc) over the
-  calls, divided by the seconds of call it carried.
+  byte). The callers connect first; the loss starts when all are in, before the first word (a
+  call that could not connect says nothing about its media). Elsewhere the loss is injected at
+  the RTP layer by a UDP relay (tests/support_webrtc.py) and the WebSocket rows under loss say
+  "not measured".
+* **server_cpu_ms_per_session_s**: the server process's CPU time (user + system, /proc) from the
+  first word to the last hang-up, divided by the seconds of call it carried.
 * **mouth_to_ear_ms**: for each 20 ms of echoed speech, the time from its first sample being
   spoken (captured) at the caller to its arrival back at the caller, decoded: p50, p95, p99 and
   max. It counts the network both ways, the server (framing to 80 ms, one tick, the
@@ -147,7 +149,23 @@ class Timeline:
         self.received: list[tuple[float, np.ndarray]] = []  # (arrival, decoded pcm)
 
 
-async def ws_caller(url: str, audio: np.ndarray, seconds: float) -> Timeline:
+class Start:
+    """The callers connect first; the loss and the speech start when all are in (a call that
+    cannot connect under loss says nothing about its media)."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls, self.connected = calls, 0
+        self.all_in = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def ready_and_wait(self) -> None:
+        self.connected += 1
+        if self.connected >= self.calls:
+            self.all_in.set()
+        await self.go.wait()
+
+
+async def ws_caller(url: str, audio: np.ndarray, seconds: float, start_line: Start) -> Timeline:
     from websockets.asyncio.client import connect
 
     from personaplex_voice.audio.opus import OggOpusReader, OggOpusWriter
@@ -167,6 +185,7 @@ async def ws_caller(url: str, audio: np.ndarray, seconds: float) -> Timeline:
                         line.received.append((now, pcm))
 
         receiver = asyncio.create_task(receive())
+        await start_line.ready_and_wait()
         start = time.monotonic()
         for i in range(round(seconds * SR) // CHUNK):
             await asyncio.sleep(max(0.0, start + (i + 1) * CHUNK / SR - time.monotonic()))
@@ -178,7 +197,9 @@ async def ws_caller(url: str, audio: np.ndarray, seconds: float) -> Timeline:
     return line
 
 
-async def webrtc_caller(base_url: str, audio: np.ndarray, seconds: float, relay_loss: float) -> Timeline:
+async def webrtc_caller(
+    base_url: str, audio: np.ndarray, seconds: float, relay_loss: float, start_line: Start
+) -> Timeline:
     import av
     import httpx
     from aiortc import RTCPeerConnection, RTCSessionDescription
@@ -263,6 +284,7 @@ async def webrtc_caller(base_url: str, audio: np.ndarray, seconds: float, relay_
                 ear.on_clock(arrival[0])
 
         ticking = asyncio.create_task(clock())
+        await start_line.ready_and_wait()
         go.set()
         await asyncio.sleep(seconds + 1.0)
         ticking.cancel()
@@ -343,7 +365,7 @@ def run_level(loss: float, calls: int, seconds: float, kernel: bool) -> dict[str
 
     audio = speech(seconds + 1)
     if kernel:
-        set_kernel_loss(0)  # the server starts and the callers connect without loss...
+        set_kernel_loss(0)
     row: dict[str, Any] = {"loss_pct": loss, "injected": "kernel" if kernel else "rtp relay"}
     with running_server("--max-sessions", str(calls), "--idle-timeout-s", "0", timeout=120) as server:
         pid = server.process.pid
@@ -351,18 +373,31 @@ def run_level(loss: float, calls: int, seconds: float, kernel: bool) -> dict[str
             if transport == "websocket" and loss and not kernel:
                 row[transport] = "not measured: TCP loss needs the kernel's (root, ip netns, iptables)"
                 continue
-            if kernel:
-                set_kernel_loss(loss)  # ...then the loss holds for the whole call
-            cpu0, t0 = process_cpu_s(pid), time.monotonic()
+            measured: dict[str, float] = {}
 
-            async def all_calls(transport: str = transport) -> list[Any]:
+            async def all_calls(transport: str = transport, measured: dict = measured) -> list[Any]:
+                start_line = Start(calls)
                 if transport == "websocket":
                     url = server.ws_url + "/api/chat?text_prompt=hi"
-                    callers = [ws_caller(url, audio, seconds) for _ in range(calls)]
+                    callers = [ws_caller(url, audio, seconds, start_line) for _ in range(calls)]
                 else:
                     relay = 0.0 if kernel else loss / 100
-                    callers = [webrtc_caller(server.url, audio, seconds, relay) for _ in range(calls)]
-                return list(await asyncio.gather(*callers, return_exceptions=True))
+                    callers = [
+                        webrtc_caller(server.url, audio, seconds, relay, start_line) for _ in range(calls)
+                    ]
+                tasks = [asyncio.ensure_future(c) for c in callers]
+                await asyncio.wait(
+                    [asyncio.ensure_future(start_line.all_in.wait()), *tasks],
+                    return_when=asyncio.FIRST_COMPLETED,
+                    timeout=120,
+                )
+                if kernel:
+                    set_kernel_loss(loss)  # every caller is in: the loss holds from the first word
+                measured["cpu0"], measured["t0"] = process_cpu_s(pid), time.monotonic()
+                start_line.go.set()
+                outcomes = list(await asyncio.gather(*tasks, return_exceptions=True))
+                measured["cpu1"], measured["t1"] = process_cpu_s(pid), time.monotonic()
+                return outcomes
 
             try:
                 outcomes = asyncio.run(all_calls())
@@ -371,12 +406,12 @@ def run_level(loss: float, calls: int, seconds: float, kernel: bool) -> dict[str
                     set_kernel_loss(0)
             lines = [o for o in outcomes if isinstance(o, Timeline)]
             failed = [f"{type(o).__name__}: {o}"[:200] for o in outcomes if not isinstance(o, Timeline)]
-            cpu = process_cpu_s(pid) - cpu0
-            elapsed = time.monotonic() - t0
-            session_s = max(1, len(lines)) * seconds
+            cpu = measured["cpu1"] - measured["cpu0"]
+            elapsed = measured["t1"] - measured["t0"]
             row[transport] = {
                 "calls_failed": failed,
-                "server_cpu_ms_per_session_s": round(1000 * cpu / session_s, 1),
+                # CPU over the talking (and the hang-up), per second of call carried.
+                "server_cpu_ms_per_session_s": round(1000 * cpu / (calls * elapsed), 1),
                 "server_cpu_share_of_a_core": round(cpu / elapsed, 3),
                 **summarize(lines),
             }
