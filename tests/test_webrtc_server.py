@@ -35,6 +35,9 @@ def server():
     env = {"PERSONAPLEX_WEBRTC_PEER_TIMEOUT_S": "2", "PERSONAPLEX_WEBRTC_CONNECT_TIMEOUT_S": "3"}
     with running_server("--max-sessions", "2", env=env) as srv:
         yield srv
+        log = srv.log()
+    # Callers that hung up, closed, vanished or never connected cost no traceback or ERROR line.
+    assert "Traceback" not in log and " ERROR " not in log and "never retrieved" not in log, log[-3000:]
 
 
 def active(server) -> int:
