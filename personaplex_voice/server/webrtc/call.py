@@ -625,18 +625,3 @@ class WebRTCCall:
         warning = slips_warning(stats.get("dropped_ms") or {}, stats.get("inserted_ms") or {})
         if warning:
             log.warning("session %s %s", self.session.id, warning)
-
-    def describe(self) -> dict[str, Any]:
-        """What the call is doing (for tests and the log)."""
-        return {
-            "id": self.id,
-            "endpoint": self.endpoint,
-            "session_id": self.session.id,
-            "connected": self._connected,
-            "live": self._live,
-            "caller": self._caller.stats.as_dict() if self._caller is not None else {},
-            "agent_packets": self._track.sent_packets if self._track is not None else 0,
-            "expected_loss_pct": self._encoder.expected_loss_pct if self._encoder is not None else None,
-            "fec": self._encoder.fec if self._encoder is not None else None,
-            "dtx": self._encoder.dtx if self._encoder is not None else None,
-        }
