@@ -167,6 +167,21 @@ def serve(
             "client's dist/ (env PERSONAPLEX_STATIC)"
         ),
     ] = None,
+    webrtc: Annotated[
+        bool | None,
+        typer.Option(
+            "--webrtc/--no-webrtc",
+            help="Serve WebRTC calls (WHIP at /api/whip, Pipecat's /api/offer); needs the webrtc "
+            "extra (env PERSONAPLEX_WEBRTC; on)",
+        ),
+    ] = None,
+    ice_servers: Annotated[
+        str | None,
+        typer.Option(
+            help="STUN/TURN servers for WebRTC: URLs, comma-separated (turn:USER:PASS@HOST:PORT), or "
+            "a JSON list of RTCIceServer objects (env PERSONAPLEX_WEBRTC_ICE_SERVERS)"
+        ),
+    ] = None,
     # -- cluster (docs/cluster.md) --
     workers: Annotated[
         int | None,
@@ -199,12 +214,14 @@ def serve(
         ),
     ] = None,
 ) -> None:
-    """Serve /api/chat, the browser client, health and metrics."""
+    """Serve /api/chat, WebRTC (WHIP, Pipecat's offer API), the browser client, health and metrics."""
     given = {
         name: value.value if isinstance(value, Enum) else value
         for name, value in locals().items()
         if value is not None
     }
+    if "ice_servers" in given:
+        given["webrtc_ice_servers"] = given.pop("ice_servers")
     alias = given.pop("voice_prompt_dir", None)
     if alias is not None:
         if given.get("voice_dir", alias) != alias:
@@ -217,6 +234,12 @@ def serve(
             f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
         )
         raise UserError(f"invalid server settings: {problems}") from None
+    from personaplex_voice.server.webrtc.ice import IceServerError, parse_ice_servers
+
+    try:
+        parse_ice_servers(settings.webrtc_ice_servers)
+    except IceServerError as exc:
+        raise UserError(f"--ice-servers: {exc}") from None
     if settings.cluster:
         from personaplex_voice.cluster.supervisor import run_cluster
 

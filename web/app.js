@@ -1,8 +1,10 @@
-// The page: prompt and voice choice, one /api/chat conversation, transcript, stats, recording.
+// The page: prompt and voice choice, one conversation over /api/chat (WebSocket, the default) or
+// WebRTC (WHIP), transcript, stats, recording.
 import { Kind, chatUrl, decodeMessage, encodeAudio } from "./protocol.js";
 import { OggOpusDecoder, OggOpusEncoder, Resampler, WIRE_RATE, webCodecsAvailable } from "./opus.js";
 import { ConversationRecorder } from "./recorder.js";
 import { LevelMeter } from "./levels.js";
+import { WebRtcCall } from "./webrtc.js";
 
 // The reference client's prompt examples (assistant, customer service, casual, astronaut).
 const PRESETS = [
@@ -30,6 +32,8 @@ const pageParams = new URLSearchParams(location.search);
 // Everything a test (or a curious user in the console) may want to read.
 const state = {
   phase: "idle", // idle | connecting | queued | preparing | live | ended
+  transport: "websocket", // of the current (or last) call: websocket | webrtc
+  // WebRTC calls add rttMs, lossPct, jitterMs, jitterBufferMs, concealedMs (from getStats).
   stats: { played: 0, missed: 0, dropped: 0, buffered: 0, sampleRate: 0, sentBytes: 0, receivedBytes: 0 },
   transcript: "",
   metadata: null,
@@ -124,7 +128,7 @@ async function loadVoices() {
   }
 }
 
-async function openAudio() {
+async function openAudio(transport) {
   let ctx;
   try {
     ctx = new AudioContext({ sampleRate: WIRE_RATE, latencyHint: "interactive" });
@@ -137,25 +141,46 @@ async function openAudio() {
     audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
   });
   const mic = ctx.createMediaStreamSource(stream);
-  const playback = new AudioWorkletNode(ctx, "playback", { numberOfInputs: 0, outputChannelCount: [1] });
   const capture = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 2, numberOfOutputs: 1 });
   mic.connect(capture, 0, 0);
-  playback.connect(capture, 0, 1);
-  playback.connect(ctx.destination);
   capture.connect(ctx.destination); // silent; keeps the capture node running
-  return { ctx, stream, mic, playback, capture };
+  let playback = null;
+  if (transport === "websocket") {
+    // Our own jitter buffer plays the decoded Ogg-Opus; WebRTC has the browser's (NetEq).
+    playback = new AudioWorkletNode(ctx, "playback", { numberOfInputs: 0, outputChannelCount: [1] });
+    playback.connect(capture, 0, 1);
+    playback.connect(ctx.destination);
+  }
+  return { ctx, stream, mic, playback, capture, player: null };
+}
+
+// WebRTC: the agent's track plays through an <audio> element (so the browser's echo canceller
+// knows it) and feeds the capture node (meter, recording).
+function playRemote(audio, stream) {
+  const player = new Audio();
+  player.autoplay = true;
+  player.srcObject = stream;
+  player.play().catch((e) => console.warn("agent audio did not start", e));
+  audio.player = player;
+  audio.ctx.createMediaStreamSource(stream).connect(audio.capture, 0, 1);
 }
 
 function closeAudio(audio) {
   if (!audio) return;
+  if (audio.player) audio.player.srcObject = null;
   audio.stream.getTracks().forEach((t) => t.stop());
   audio.ctx.close();
 }
 
 async function connect() {
   showError("");
-  if (!webCodecsAvailable()) {
+  const transport = $("transport").value;
+  if (transport === "websocket" && !webCodecsAvailable()) {
     showError("This browser has no WebCodecs Opus support. Use a recent Chrome, Edge or Safari.");
+    return;
+  }
+  if (transport === "webrtc" && typeof RTCPeerConnection === "undefined") {
+    showError("This browser has no WebRTC. Choose the WebSocket transport.");
     return;
   }
   if (!window.isSecureContext) {
@@ -166,15 +191,17 @@ async function connect() {
   state.transcript = "";
   state.micSamplesSent = 0;
   state.levelPeaks = { caller: 0, agent: 0 };
+  state.transport = transport;
+  state.stats = { played: 0, missed: 0, dropped: 0, buffered: 0, sampleRate: 0, sentBytes: 0, receivedBytes: 0 };
   setStatus("Opening the microphone…", "connecting");
   $("connect").disabled = true;
+  $("transport").disabled = true;
 
   let audio;
   try {
-    audio = await openAudio();
+    audio = await openAudio(transport);
   } catch (e) {
-    $("connect").disabled = false;
-    setStatus("Not connected.", "idle");
+    endSetup();
     showError(`Could not open the microphone: ${e.message || e}`);
     return;
   }
@@ -184,8 +211,7 @@ async function connect() {
     prompt = await promptParams($("prompt").value);
   } catch (e) {
     closeAudio(audio);
-    $("connect").disabled = false;
-    setStatus("Not connected.", "idle");
+    endSetup();
     showError(`The server did not take the prompt: ${e.message || e}`);
     return;
   }
@@ -197,9 +223,50 @@ async function connect() {
     audio_temperature: $("audio-temperature").value,
     ...tokenParams(),
   };
+  const recorder = new ConversationRecorder(audio.ctx.sampleRate);
+  state.stats.sampleRate = audio.ctx.sampleRate;
+  if (transport === "webrtc") await connectWebRtc(params, audio, recorder);
+  else connectWebSocket(params, audio, recorder);
+}
+
+function endSetup() {
+  $("connect").disabled = false;
+  $("transport").disabled = false;
+  setStatus("Not connected.", "idle");
+}
+
+// The messages both transports carry (WebRTC: on its data channel), audio aside.
+function onServerMessage(msg) {
+  if (!call) return;
+  switch (msg.kind) {
+    case Kind.METADATA:
+      onMetadata(msg.data);
+      break;
+    case Kind.HANDSHAKE:
+      call.live = true;
+      if (call.audio.playback) call.audio.playback.port.postMessage({ type: "reset" });
+      $("record").disabled = false;
+      $("connect").disabled = false;
+      $("connect").textContent = "Disconnect";
+      setStatus("Live: speak now.", "live");
+      break;
+    case Kind.TEXT:
+      state.transcript += msg.text;
+      $("transcript").textContent = state.transcript;
+      $("transcript").scrollTop = $("transcript").scrollHeight;
+      break;
+    case Kind.ERROR:
+      call.serverError = msg.text;
+      showError(`Server: ${msg.text}`);
+      break;
+    default:
+      break; // ping, control and unknown kinds are ignored
+  }
+}
+
+function connectWebSocket(params, audio, recorder) {
   const ws = new WebSocket(chatUrl(params));
   ws.binaryType = "arraybuffer";
-  const recorder = new ConversationRecorder(audio.ctx.sampleRate);
   const toWire = new Resampler(audio.ctx.sampleRate, WIRE_RATE);
   const onCodecError = (text) => {
     showError(text);
@@ -211,7 +278,7 @@ async function connect() {
     (pcm) => audio.playback.port.postMessage({ type: "pcm", samples: pcm }, [pcm.buffer]),
     onCodecError,
   );
-  call = { ws, audio, encoder, decoder, recorder, live: false, opened: false, serverError: null };
+  call = { transport: "websocket", ws, audio, encoder, decoder, recorder, live: false, opened: false, serverError: null };
 
   function send(pages) {
     if (ws.readyState !== WebSocket.OPEN) return;
@@ -242,33 +309,8 @@ async function connect() {
     state.stats.receivedBytes += event.data.byteLength;
     const msg = decodeMessage(event.data);
     if (!msg) return;
-    switch (msg.kind) {
-      case Kind.METADATA:
-        onMetadata(msg.data);
-        break;
-      case Kind.HANDSHAKE:
-        call.live = true;
-        audio.playback.port.postMessage({ type: "reset" });
-        $("record").disabled = false;
-        $("connect").disabled = false;
-        $("connect").textContent = "Disconnect";
-        setStatus("Live: speak now.", "live");
-        break;
-      case Kind.AUDIO:
-        decoder.push(msg.payload);
-        break;
-      case Kind.TEXT:
-        state.transcript += msg.text;
-        $("transcript").textContent = state.transcript;
-        $("transcript").scrollTop = $("transcript").scrollHeight;
-        break;
-      case Kind.ERROR:
-        call.serverError = msg.text;
-        showError(`Server: ${msg.text}`);
-        break;
-      default:
-        break; // ping, control and unknown kinds are ignored
-    }
+    if (msg.kind === Kind.AUDIO) decoder.push(msg.payload);
+    else onServerMessage(msg);
   };
   ws.onclose = (event) => {
     if (call && !call.opened) {
@@ -279,6 +321,52 @@ async function connect() {
     }
     hangUp(call && call.serverError ? "Ended by the server." : "Call ended.");
   };
+}
+
+async function connectWebRtc(params, audio, recorder) {
+  const rtc = new WebRtcCall(params, audio.stream, {
+    onMessage: onServerMessage,
+    onTrack: (stream) => playRemote(audio, stream),
+    onClose: (reason) => {
+      if (reason && call && !call.serverError) showError(reason);
+      hangUp(call && call.serverError ? "Ended by the server." : "Call ended.");
+    },
+  });
+  call = { transport: "webrtc", rtc, audio, recorder, live: false, opened: false, serverError: null };
+  audio.capture.port.onmessage = ({ data }) => {
+    recorder.add(data.agent, data.mic);
+    showLevels(data.mic, data.agent);
+  };
+  call.statsTimer = setInterval(() => readWebRtcStats(rtc), 1000);
+  try {
+    setStatus("Connecting (WebRTC)…", "connecting");
+    await rtc.start();
+  } catch (e) {
+    showError(`Server: ${e.message || e}`);
+    hangUp("Not connected.");
+    return;
+  }
+  if (!call || call.rtc !== rtc) return; // hung up meanwhile
+  call.opened = true;
+  setStatus("Connected; preparing the persona…", "preparing");
+}
+
+async function readWebRtcStats(rtc) {
+  const s = await rtc.readStats().catch(() => null);
+  if (!s || !call || call.rtc !== rtc) return;
+  const rate = state.stats.sampleRate;
+  Object.assign(state.stats, {
+    rttMs: s.rttMs,
+    lossPct: s.lossPct,
+    jitterMs: s.jitterMs,
+    jitterBufferMs: s.jitterBufferMs,
+    jitterBufferTargetMs: s.jitterBufferTargetMs,
+    concealedMs: s.concealedMs,
+    sentBytes: s.bytesSent || 0,
+    receivedBytes: s.bytesReceived || 0,
+    played: Math.round((s.playedSeconds || 0) * rate),
+  });
+  renderStats();
 }
 
 async function showRefusal(wsUrl) {
@@ -325,15 +413,21 @@ function hangUp(message) {
   const ending = call;
   call = null;
   if (ending.recorder.active) stopRecording(ending.recorder);
-  ending.encoder.close();
-  ending.decoder.close();
-  if (ending.ws.readyState <= WebSocket.OPEN) ending.ws.close(1000);
+  if (ending.transport === "webrtc") {
+    clearInterval(ending.statsTimer);
+    ending.rtc.hangUp();
+  } else {
+    ending.encoder.close();
+    ending.decoder.close();
+    if (ending.ws.readyState <= WebSocket.OPEN) ending.ws.close(1000);
+  }
   closeAudio(ending.audio);
   meters.caller.reset();
   meters.agent.reset();
   state.levels = { caller: 0, agent: 0 };
   $("connect").disabled = false;
   $("connect").textContent = "Connect";
+  $("transport").disabled = false;
   $("record").disabled = true;
   setStatus(message, "ended");
 }
@@ -370,7 +464,7 @@ const ENCODE_MS = 20;
 const MODEL_FRAME_MS = 80;
 
 async function measureNetwork() {
-  if (!call) return;
+  if (!call || call.transport !== "websocket") return; // WebRTC measures its own round trip
   const started = performance.now();
   try {
     await fetch("/healthz", { cache: "no-store" });
@@ -383,15 +477,39 @@ async function measureNetwork() {
 setInterval(measureNetwork, 2000);
 
 function renderStats() {
+  if (state.transport === "webrtc") {
+    renderWebRtcStats();
+    return;
+  }
   const s = state.stats;
   const rate = s.sampleRate;
   const bufferMs = rate ? (1000 * s.buffered) / rate : 0;
   state.stats.latencyMs = Math.round(ENCODE_MS + (s.networkMs || 0) + MODEL_FRAME_MS + bufferMs);
   $("stat-latency").textContent = call && call.live ? `${state.stats.latencyMs} ms` : "–";
   $("stat-latency").title = `Opus ${ENCODE_MS} ms + network ${Math.round(s.networkMs || 0)} ms + model frame ${MODEL_FRAME_MS} ms + playback buffer ${Math.round(bufferMs)} ms`;
+  $("stat-network").textContent = `round trip ${Math.round(s.networkMs || 0)} ms (HTTP); TCP retransmits lost packets`;
   $("stat-buffer").textContent = `${ms(s.buffered, rate)} (target ${ms(s.target, rate)})`;
   $("stat-missed").textContent = ms(s.missed, rate);
   $("stat-dropped").textContent = ms(s.dropped, rate);
+  $("stat-played").textContent = rate ? `${(s.played / rate).toFixed(1)} s` : "–";
+  $("stat-bytes").textContent = `${(s.sentBytes / 1024).toFixed(0)} KiB / ${(s.receivedBytes / 1024).toFixed(0)} KiB`;
+}
+
+// WebRTC: the same rows from getStats(): the browser's jitter buffer (NetEq) is the playback buffer,
+// its concealment the missed audio, its time-stretching the dropped (or added) audio.
+function renderWebRtcStats() {
+  const s = state.stats;
+  const rtt = s.rttMs || 0;
+  const buffer = s.jitterBufferMs || 0;
+  state.stats.latencyMs = Math.round(ENCODE_MS + rtt + MODEL_FRAME_MS + buffer);
+  $("stat-latency").textContent = call && call.live ? `${state.stats.latencyMs} ms` : "–";
+  $("stat-latency").title = `Opus ${ENCODE_MS} ms + network ${Math.round(rtt)} ms + model frame ${MODEL_FRAME_MS} ms + jitter buffer ${Math.round(buffer)} ms`;
+  $("stat-network").textContent = `RTT ${Math.round(rtt)} ms · loss ${(s.lossPct || 0).toFixed(1)} % · jitter ${Math.round(s.jitterMs || 0)} ms`;
+  const target = s.jitterBufferTargetMs !== undefined ? ` (target ${Math.round(s.jitterBufferTargetMs)} ms)` : "";
+  $("stat-buffer").textContent = `${Math.round(buffer)} ms jitter buffer${target}`;
+  $("stat-missed").textContent = `${Math.round(s.concealedMs || 0)} ms concealed`;
+  $("stat-dropped").textContent = "–";
+  const rate = s.sampleRate;
   $("stat-played").textContent = rate ? `${(s.played / rate).toFixed(1)} s` : "–";
   $("stat-bytes").textContent = `${(s.sentBytes / 1024).toFixed(0)} KiB / ${(s.receivedBytes / 1024).toFixed(0)} KiB`;
 }
@@ -400,6 +518,7 @@ function init() {
   setupPresets();
   if (pageParams.get("token")) $("token").value = pageParams.get("token");
   if (pageParams.get("prompt")) $("prompt").value = pageParams.get("prompt");
+  if (pageParams.get("transport") === "webrtc") $("transport").value = "webrtc";
   $("connect").addEventListener("click", () => {
     if (call) hangUp("Call ended.");
     else connect();

@@ -115,6 +115,16 @@ class ServerSettings(BaseSettings):
     instance_name: str = ""
     # Another client build to serve at / instead of web/ (e.g. the reference client's dist/).
     static: Path | None = None
+    # -- WebRTC (docs/webrtc.md): WHIP and Pipecat's small-WebRTC offer API beside /api/chat; needs
+    # the `webrtc` extra (aiortc). STUN/TURN servers for the server and its browsers: a JSON list
+    # of RTCIceServer objects, or comma-separated URLs (`turn:user:pass@host:3478` carries its
+    # credentials). A peer that sends nothing for `webrtc_peer_timeout_s` (no RTP, RTCP, data or
+    # consent checks) has vanished: its call ends and its slot is freed; one that never connects
+    # after its answer ends after `webrtc_connect_timeout_s`.
+    webrtc: bool = True
+    webrtc_ice_servers: str = ""
+    webrtc_peer_timeout_s: float = Field(10.0, gt=0, le=300)
+    webrtc_connect_timeout_s: float = Field(20.0, gt=0, le=300)
 
     @field_validator("records_dir", mode="before")
     @classmethod

@@ -1,5 +1,6 @@
-"""The FastAPI app: `/api/chat`, `/api/prompts`, `/api/voices`, `/healthz`, `/readyz`, `/metrics`
-and `web/` (or the `--static` build) at `/`. No OpenAPI schema or docs pages are served.
+"""The FastAPI app: `/api/chat`, `/api/prompts`, `/api/voices`, `/healthz`, `/readyz`, `/metrics`,
+the WebRTC endpoints (`server/webrtc`: WHIP and Pipecat's offer API) and `web/` (or the `--static`
+build) at `/`. No OpenAPI schema or docs pages are served.
 
 The app serves HTTP while the model loads (so `/healthz` answers and `/readyz` says "loading");
 the engine is built and warmed in a worker thread by the lifespan, then one SessionManager is
@@ -100,6 +101,10 @@ def create_app(
     app.add_api_route("/readyz", _readyz, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/api/cluster", _cluster, methods=["GET"])
+    if settings.webrtc:
+        from personaplex_voice.server.webrtc import mount as mount_webrtc
+
+        mount_webrtc(app)
     _serve_web_when_unmatched(app, settings.static)
 
     if settings.carrier_names:

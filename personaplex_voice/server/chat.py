@@ -324,26 +324,8 @@ class ChatConnection:
             _retrieve(ready)
 
     def _metadata(self) -> dict[str, Any]:
-        assert self.params is not None
-        sampling = self.params.sampling()
-        position = self.session.queue_position if self.session is not None else None
-        return {
-            "session_id": self.session.id,
-            "model": info.public_model_name(self.state.model_name),
-            "voice": self.params.voice_prompt or "default",
-            "sample_rate": SAMPLE_RATE,
-            "frame_ms": 80,
-            "queue_position": position or 0,
-            "max_sessions": self.state.host.capacity,
-            "text_temperature": sampling.text_temperature,
-            "text_topk": sampling.text_topk,
-            "audio_temperature": sampling.audio_temperature,
-            "audio_topk": sampling.audio_topk,
-            "greedy": sampling.greedy,
-            "seed": self.params.seed if self.params.seed is not None else -1,
-            # What NVIDIA's PersonaPlex client validates (its server-info panel) and shows.
-            **info.reference_client_fields(self.settings, self.state.model_name),
-        }
+        assert self.params is not None and self.session is not None
+        return session_metadata(self.state, self.settings, self.params, self.session)
 
     # -- the two loops -------------------------------------------------------------------------
 
@@ -451,6 +433,31 @@ class ChatConnection:
             self.metrics.bytes_out.inc(1 + len(refusal.message.encode()))
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(code=refusal.code, reason=refusal.kind[:120]), timeout=2.0)
+
+
+def session_metadata(
+    state: Any, settings: ServerSettings, params: ChatParams, session: CallSession
+) -> dict[str, Any]:
+    """The 0x04 metadata of a session (docs/server.md): what it runs, where it waits, and the
+    fields NVIDIA's PersonaPlex client validates. The WebRTC endpoint sends the same object."""
+    sampling = params.sampling()
+    return {
+        "session_id": session.id,
+        "model": info.public_model_name(state.model_name),
+        "voice": params.voice_prompt or "default",
+        "sample_rate": SAMPLE_RATE,
+        "frame_ms": 80,
+        "queue_position": session.queue_position or 0,
+        "max_sessions": state.host.capacity,
+        "text_temperature": sampling.text_temperature,
+        "text_topk": sampling.text_topk,
+        "audio_temperature": sampling.audio_temperature,
+        "audio_topk": sampling.audio_topk,
+        "greedy": sampling.greedy,
+        "seed": params.seed if params.seed is not None else -1,
+        # What NVIDIA's PersonaPlex client validates (its server-info panel) and shows.
+        **info.reference_client_fields(settings, state.model_name),
+    }
 
 
 def saturated_refusal(exc: SaturatedError) -> Refusal:
