@@ -24,8 +24,9 @@ from pathlib import Path
 from personaplex_voice.cli_options import configure_threads
 from personaplex_voice.engine.base import SAMPLE_RATE
 from personaplex_voice.engine.factory import build_engine
-from personaplex_voice.eval.scenario import CallerVoice, load_scenarios
+from personaplex_voice.eval.scenario import load_scenarios
 from personaplex_voice.eval.speech import ClipBook, synthesize
+from personaplex_voice.eval.steps import CallerVoice
 from personaplex_voice.eval.suite import plan_calls, run_suite
 
 LINES = [

@@ -7,8 +7,9 @@ from functools import cache
 from pathlib import Path
 
 from personaplex_voice.engine.scripted import Reply, ScriptedEngine
-from personaplex_voice.eval.scenario import CallerVoice, Scenario, load_scenarios
+from personaplex_voice.eval.scenario import Scenario, load_scenarios
 from personaplex_voice.eval.speech import ClipBook, synthesize
+from personaplex_voice.eval.steps import CallerVoice
 from personaplex_voice.eval.suite import plan_calls, run_suite
 
 ROOT = Path(__file__).resolve().parents[1]

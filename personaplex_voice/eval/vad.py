@@ -221,3 +221,15 @@ class SpeechClock:
         if self._start is None or self._quiet_from is not None:
             return 0.0
         return (self._windows - self._start) * WINDOW_S * 1000.0
+
+
+def fdb_segments(probs: np.ndarray, n_samples: int) -> list[Segment]:
+    """Speech as Full-Duplex-Bench's backchannel scorer finds it: silero-vad's own
+    `get_speech_timestamps` rule with its default settings, in seconds at its 0.1 s resolution,
+    from the same window probabilities `detect` uses."""
+    from silero_vad.utils_vad import get_speech_timestamps_from_probs
+
+    found = get_speech_timestamps_from_probs(
+        [float(p) for p in probs], sampling_rate=VAD_RATE, return_seconds=True, audio_length_samples=n_samples
+    )
+    return [Segment(float(s["start"]), float(s["end"])) for s in found]
