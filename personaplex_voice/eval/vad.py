@@ -8,7 +8,8 @@ of silence; segments shorter than `MIN_SPEECH` are dropped. silero's boundaries 
 and its probability lags the sound (by 50-100 ms on synthetic speech, more on a weak final
 consonant), so each boundary is then moved to where the sound itself starts or stops, in 10 ms
 blocks: a block *sounds* when its level is within `REFINE_DROP_DB` of the segment's loud blocks
-(their 95th percentile, and above `FLOOR_DB`); from the first and last sounding blocks inside the
+(their 95th percentile), `ABOVE_NOISE_DB` above the signal's background (`noise_floor`) and
+above `FLOOR_DB`; from the first and last sounding blocks inside the
 segment the boundaries follow sounding blocks outwards while they are less than `MIN_SILENCE`
 apart (up to `REFINE` beyond the VAD's boundary), and the segment is split wherever its sounding
 blocks are `MIN_SILENCE` or more apart (silero's lag can bridge a short pause). The VAD decides
@@ -36,6 +37,8 @@ REFINE_S = 0.3
 BLOCK_S = 0.01
 REFINE_DROP_DB = 30.0
 FLOOR_DB = -60.0  # blocks quieter than this are never speech
+ABOVE_NOISE_DB = 3.0  # a sounding block stands this far above the top of the background
+NOISE_MIN_S = 0.5  # of non-speech needed to measure the background
 
 _model_lock = threading.Lock()
 _shared_model = None
@@ -136,12 +139,14 @@ def refine(segments: list[Segment], signal: np.ndarray) -> list[Segment]:
     level = 10 * np.log10(power + 1e-12)
     reach = round(REFINE_S / BLOCK_S)
     gap = round(MIN_SILENCE_S / BLOCK_S)  # quieter blocks than this many in a row end a segment
+    floor = noise_floor(level, segments)
     out: list[Segment] = []
     for seg in segments:
         a, b = int(seg.start / BLOCK_S), min(n_blocks, int(np.ceil(seg.end / BLOCK_S)))
         if b <= a:
             continue
-        threshold = max(float(np.percentile(level[a:b], 95)) - REFINE_DROP_DB, FLOOR_DB)
+        loud = float(np.percentile(level[a:b], 95))
+        threshold = max(loud - REFINE_DROP_DB, floor + ABOVE_NOISE_DB, FLOOR_DB)
         low = max(0, a - reach, round(out[-1].end / BLOCK_S) if out else 0)
         high = min(n_blocks, b + reach)
         voiced = np.flatnonzero(level[low:high] >= threshold) + low
@@ -161,6 +166,19 @@ def refine(segments: list[Segment], signal: np.ndarray) -> list[Segment]:
             if (s1 - s0) * BLOCK_S >= MIN_SPEECH_S:
                 out.append(Segment(round(s0 * BLOCK_S, 3), round(s1 * BLOCK_S, 3)))
     return _merge(out)
+
+
+def noise_floor(level: np.ndarray, segments: list[Segment]) -> float:
+    """The top of the signal's background (dB): the 95th percentile 10 ms block outside the VAD's
+    speech, when there is at least `NOISE_MIN_S` of it, else the 5th percentile block of all.
+    Refined boundaries stay `ABOVE_NOISE_DB` above it, so a noisy line does not stretch speech
+    into its noise."""
+    quiet = np.ones(len(level), bool)
+    for seg in segments:
+        quiet[max(0, int(seg.start / BLOCK_S) - 5) : int(np.ceil(seg.end / BLOCK_S)) + 5] = False
+    if quiet.sum() * BLOCK_S >= NOISE_MIN_S:
+        return float(np.percentile(level[quiet], 95))
+    return float(np.percentile(level, 5)) if len(level) else FLOOR_DB
 
 
 def _merge(segments: list[Segment]) -> list[Segment]:
