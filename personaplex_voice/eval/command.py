@@ -34,12 +34,14 @@ from personaplex_voice.cli_options import (
 )
 from personaplex_voice.errors import UserError
 
+from .steps import CallerVoice
+
 # What `--engine scripted` says (a dry run of scenario files without a model).
 SCRIPTED_REPLIES = (
     "Thank you for calling. How can I help you today?",
     "I see. Let me check that for you right away.",
 )
-SCRIPTED_VOICE = "en-us+f3"
+SCRIPTED_VOICE = CallerVoice(voice="en-us+f2", rate=150)  # a voice the recogniser hears well
 SCRIPTED_RESPOND_MS = 300
 SCRIPTED_STOP_MS = 200
 
@@ -233,10 +235,10 @@ def _build_engine(
         from personaplex_voice.engine.scripted import Reply, ScriptedEngine
 
         from .speech import synthesize
-        from .steps import CallerVoice
 
-        voice = CallerVoice(voice=SCRIPTED_VOICE)
-        replies = [Reply(text, synthesize(text, voice, "--engine scripted")) for text in SCRIPTED_REPLIES]
+        replies = [
+            Reply(text, synthesize(text, SCRIPTED_VOICE, "--engine scripted")) for text in SCRIPTED_REPLIES
+        ]
         return ScriptedEngine(
             slots,
             replies=replies,

@@ -39,6 +39,7 @@ REFINE_DROP_DB = 30.0
 FLOOR_DB = -60.0  # blocks quieter than this are never speech
 ABOVE_NOISE_DB = 3.0  # a sounding block stands this far above the top of the background
 NOISE_MIN_S = 0.5  # of non-speech needed to measure the background
+HIGH_BAND_HZ = 2000.0
 
 _model_lock = threading.Lock()
 _shared_model = None
@@ -135,21 +136,33 @@ def refine(segments: list[Segment], signal: np.ndarray) -> list[Segment]:
     n_blocks = len(signal) // block
     if n_blocks == 0 or not segments:
         return segments
-    power = np.mean(signal[: n_blocks * block].reshape(n_blocks, block).astype(np.float64) ** 2, axis=1)
-    level = 10 * np.log10(power + 1e-12)
+    blocks = signal[: n_blocks * block].reshape(n_blocks, block).astype(np.float64)
+    spectrum = np.abs(np.fft.rfft(blocks, axis=1)) ** 2
+    high_from = round(HIGH_BAND_HZ * block / VAD_RATE)
+    bands = [  # the whole band, and the high band where fricatives stand out of a line's hum and rumble
+        10 * np.log10(spectrum.sum(axis=1) / block**2 + 1e-12),
+        10 * np.log10(spectrum[:, high_from:].sum(axis=1) / block**2 + 1e-12),
+    ]
     reach = round(REFINE_S / BLOCK_S)
     gap = round(MIN_SILENCE_S / BLOCK_S)  # quieter blocks than this many in a row end a segment
-    floor = noise_floor(level, segments)
+    floors = [noise_floor(level, segments) for level in bands]
     out: list[Segment] = []
     for seg in segments:
         a, b = int(seg.start / BLOCK_S), min(n_blocks, int(np.ceil(seg.end / BLOCK_S)))
         if b <= a:
             continue
-        loud = float(np.percentile(level[a:b], 95))
-        threshold = max(loud - REFINE_DROP_DB, floor + ABOVE_NOISE_DB, FLOOR_DB)
         low = max(0, a - reach, round(out[-1].end / BLOCK_S) if out else 0)
         high = min(n_blocks, b + reach)
-        voiced = np.flatnonzero(level[low:high] >= threshold) + low
+        sounds = np.zeros(high - low, bool)
+        for level, floor in zip(bands, floors, strict=True):
+            loud = float(np.percentile(level[a:b], 95))
+            threshold = max(loud - REFINE_DROP_DB, floor + ABOVE_NOISE_DB, FLOOR_DB)
+            sounds |= level[low:high] >= threshold
+        # A lone 10 ms block is a blip of the line's noise, not speech: sound lasts two blocks.
+        paired = sounds.copy()
+        paired[1:] &= sounds[:-1] | np.append(sounds[2:], False)
+        paired[0] &= len(sounds) > 1 and bool(sounds[1])
+        voiced = np.flatnonzero(paired) + low
         inside = np.flatnonzero((voiced >= a) & (voiced < b))
         if inside.size == 0:
             continue  # nothing in it stands out from its surroundings

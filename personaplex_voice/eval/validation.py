@@ -8,9 +8,11 @@ its timing is whatever its ears make it), over a line (24 kHz, or μ-law at 8 kH
 in on both sides before the line's codec.
 
 The truth comes from neither detector: the line is tapped before the noise and the codec, and
-each side's *clean* audio gives where its sound is (10 ms blocks within 40 dB of the side's loud
-blocks, edges to the sample, gaps under 200 ms closed: the synthesiser's inaudible tails are
-not speech). From that truth, each measure is computed by its definition (docs/eval.md) and set
+each side's *clean* audio, in the line's band (a sound the line cannot carry, like the high
+hiss of a "th" on an 8 kHz line, is not heard by the caller either), gives where its sound is:
+10 ms blocks within 40 dB of the side's loud blocks and above the noise laid over them (a
+sound under the noise is heard by nobody), edges to the sample, gaps under 200 ms closed.
+From that truth, each measure is computed by its definition (docs/eval.md) and set
 against what eval measured from the noisy, coded call:
 
 - `response_ms`: the first agent sound that ends after the caller's turn and starts before the
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 import soundfile
 
+from personaplex_voice.audio.resample import resample
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE
 from personaplex_voice.engine.scripted import Reply, ScriptedEngine
 from personaplex_voice.errors import UserError
@@ -111,20 +114,30 @@ REPLIES = (
 NOISES = ("pinknoise", "brownnoise", "whitenoise")
 
 
-def sound_segments(clean: np.ndarray, rate: int) -> list[Segment]:
-    """Where a clean signal has sound: its 10 ms blocks within `TRUTH_DROP_DB` of its loud blocks
-    (their 95th percentile) and above -70 dBFS, gaps under `TRUTH_GAP_S` closed; edges to the
-    first and last sample above `TRUTH_LEVEL` inside the edge blocks."""
+def _block_levels(pcm: np.ndarray, rate: int) -> np.ndarray:
     block = rate // 100
-    n = len(clean) // block
-    if n == 0:
+    n = len(pcm) // block
+    power = np.mean(pcm[: n * block].reshape(n, block).astype(np.float64) ** 2, axis=1)
+    return 10 * np.log10(power + 1e-12)
+
+
+def sound_segments(clean: np.ndarray, rate: int, noise: np.ndarray | None = None) -> list[Segment]:
+    """Where a clean signal has sound a listener could hear: its 10 ms blocks within
+    `TRUTH_DROP_DB` of its loud blocks (their 95th percentile), above -70 dBFS and, when the
+    `noise` laid over it is given, above that noise's own level in the same block (a sound under
+    the noise is heard by nobody); gaps under `TRUTH_GAP_S` closed, edges to the first and last
+    sample above `TRUTH_LEVEL` inside the edge blocks."""
+    block = rate // 100
+    level = _block_levels(clean, rate)
+    if level.size == 0 or not np.any(level > -70.0):
         return []
-    power = np.mean(clean[: n * block].reshape(n, block).astype(np.float64) ** 2, axis=1)
-    level = 10 * np.log10(power + 1e-12)
-    speech = level[level > -70.0]
-    if speech.size == 0:
+    floor = np.full(level.shape, -70.0)
+    if noise is not None:
+        floor = np.maximum(floor, _block_levels(noise[: len(clean)], rate)[: len(level)])
+    loud_level = float(np.percentile(level[level > -70.0], 95))
+    loud = np.flatnonzero((level >= loud_level - TRUTH_DROP_DB) & (level > floor))
+    if loud.size == 0:
         return []
-    loud = np.flatnonzero(level >= max(float(np.percentile(speech, 95)) - TRUTH_DROP_DB, -70.0))
     gap = round(TRUTH_GAP_S * 100)
     breaks = np.flatnonzero(np.diff(loud) > gap)
     starts = np.concatenate([[loud[0]], loud[breaks + 1]]) * block
@@ -146,7 +159,8 @@ class TappedCodec:
         self.noise = noise
         self.caller: list[np.ndarray] = []
         self.agent: list[np.ndarray] = []
-        self._up = self._down = 0
+        self.caller_noise: list[np.ndarray] = []
+        self.agent_noise: list[np.ndarray] = []
 
     def _noise(self, at: int) -> np.ndarray:
         start = (at * FRAME_SIZE) % (len(self.noise) - FRAME_SIZE)
@@ -154,13 +168,22 @@ class TappedCodec:
 
     def uplink(self, caller: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.caller.append(np.asarray(caller, np.float32).copy())
-        self._up += 1
-        return self.inner.uplink(caller + self._noise(self._up))
+        self.caller_noise.append(self._noise(len(self.caller)))
+        return self.inner.uplink(caller + self.caller_noise[-1])
 
     def downlink(self, agent: np.ndarray) -> np.ndarray:
         self.agent.append(np.asarray(agent, np.float32).copy())
-        self._down += 1
-        return self.inner.downlink(agent + self._noise(self._down + 7919))
+        self.agent_noise.append(self._noise(len(self.agent) + 7919))
+        return self.inner.downlink(agent + self.agent_noise[-1])
+
+    def truth(self, rate: int) -> tuple[list[Segment], list[Segment]]:
+        """(caller, agent) sound as a listener on a line at `rate` could hear it."""
+
+        def heard(clean: list[np.ndarray], noise: list[np.ndarray]) -> list[Segment]:
+            pcm, over = (resample(np.concatenate(x), SAMPLE_RATE, rate) for x in (clean, noise))
+            return sound_segments(pcm, rate, over if np.any(over) else None)
+
+        return heard(self.caller, self.caller_noise), heard(self.agent, self.agent_noise)
 
 
 @dataclass
@@ -292,8 +315,7 @@ def _span(segs: list[Segment], lo: float, hi: float) -> tuple[float, float] | No
 
 def errors_of(result: CallResult, tap: TappedCodec) -> dict[str, list[float]]:
     """Measured minus true, in ms, for each turn of one call."""
-    caller = sound_segments(np.concatenate(tap.caller), SAMPLE_RATE)
-    agent = sound_segments(np.concatenate(tap.agent), SAMPLE_RATE)
+    caller, agent = tap.truth(result.trace.plan.line.rate)
     duration = result.trace.duration_s
     turns = result.trace.log.turns
     truth = [_span(caller, t.start, t.end) for t in turns]
