@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from personaplex_voice.audio.resample import resample
+from personaplex_voice.engine.base import SAMPLE_RATE
 
 from . import fdb_measures, vad
 from .call import CallTrace
@@ -75,7 +76,7 @@ def analyze(traces: Sequence[CallTrace], recognizer: Recognizer | None = None) -
     results = []
     for i, trace in enumerate(traces):
         caller_segments, agent_segments = found[2 * i], found[2 * i + 1]
-        agent = signals[2 * i + 1]
+        agent = _recognizer_input(trace, signals[2 * i + 1])
         heard = None
         if recognizer is not None and trace.error is None:
             heard = recognizer.words(agent, agent_segments)
@@ -107,6 +108,13 @@ def analyze(traces: Sequence[CallTrace], recognizer: Recognizer | None = None) -
                 result.fdb = _fdb_score(result, agent, probs[2 * i + 1], words, recognizer)
         results.append(result)
     return results
+
+
+def _recognizer_input(trace: CallTrace, on_line: np.ndarray) -> np.ndarray:
+    """The agent at 16 kHz as the engine made it (before the line's codec), else as it crossed."""
+    if trace.agent_source is None or len(trace.agent_source) == 0:
+        return on_line
+    return resample(trace.agent_source, SAMPLE_RATE, vad.VAD_RATE)
 
 
 def meant_words(trace: CallTrace) -> list[Word]:
