@@ -1,15 +1,17 @@
 """How much faster `personaplex-voice eval` runs a suite batched than one call at a time.
 
     .venv/bin/python bench/eval_speed.py [--scenarios 16] [--seconds 30] [--model demo]
-        [--device cpu] [--skip-solo]
+        [--device cpu] [--skip-solo] [--words heard|text]
 
 Builds `--scenarios` scripted calls of about `--seconds` each (greeting wait, questions, a pause,
 a barge-in, keys; alternating the wideband and Twilio lines) and runs the whole eval pipeline on
 them twice in this process: batched (one engine with a slot per call, one SessionManager) and one
 at a time (a one-slot engine, each call its own run). Each: wall seconds, seconds of call audio
-per wall second (x real time), and the engine's share; then the speed-up. Everything the eval
-does is counted (engine, line codecs, VAD and measures, report and files). On a GPU, e.g.
-`--scenarios 64 --device cuda --skip-solo`. Last line: one JSON object. Printed, never asserted.
+per wall second (x real time), the engine's share, and the recogniser's (pocketsphinx hearing
+each agent's speech: `--words heard`, the default, as `eval` runs); then the speed-up. Everything
+the eval does is counted (engine, line codecs, VAD, recogniser and measures, report and files).
+On a GPU, e.g. `--scenarios 64 --device cuda --skip-solo`. Last line: one JSON object. Printed,
+never asserted.
 """
 
 from __future__ import annotations
@@ -75,21 +77,32 @@ async def batched(args: argparse.Namespace, scenarios, clips: ClipBook, out: Pat
     engine = build_engine(args.model, num_slots=len(plans), device=args.device)
     configure_threads(args.threads, engine)
     started = time.perf_counter()
-    summary, _ = await run_suite(scenarios, plans, clips, out, engine=engine)
+    summary, _ = await run_suite(scenarios, plans, clips, out, engine=engine, words=args.words)
     wall = time.perf_counter() - started
-    return {**summary.run, "wall_s": round(wall, 2), "x_realtime": round(summary.run["audio_s"] / wall, 2)}
+    run = summary.run
+    return {
+        **run,
+        "wall_s": round(wall, 2),
+        "x_realtime": round(run["audio_s"] / wall, 2),
+        "engine_share": round(run["engine_s"] / wall, 3),
+        "recognizer_share": round(run.get("recognizer_s", 0.0) / wall, 3),
+    }
 
 
 async def one_at_a_time(args: argparse.Namespace, scenarios, clips: ClipBook, out: Path) -> dict:
     engine = build_engine(args.model, num_slots=1, device=args.device)
     configure_threads(args.threads, engine)
     started = time.perf_counter()
-    audio = engine_s = ticks = 0.0
+    audio = engine_s = ticks = heard_s = heard_audio = 0.0
     for i, scenario in enumerate(scenarios):
-        summary, _ = await run_suite([scenario], plan_calls([scenario]), clips, out / str(i), engine=engine)
+        summary, _ = await run_suite(
+            [scenario], plan_calls([scenario]), clips, out / str(i), engine=engine, words=args.words
+        )
         audio += summary.run["audio_s"]
         engine_s += summary.run["engine_s"]
         ticks += summary.run["ticks"]
+        heard_s += summary.run.get("recognizer_s", 0.0)
+        heard_audio += summary.run.get("recognized_audio_s", 0.0)
     wall = time.perf_counter() - started
     return {
         "calls": len(scenarios),
@@ -98,6 +111,10 @@ async def one_at_a_time(args: argparse.Namespace, scenarios, clips: ClipBook, ou
         "x_realtime": round(audio / wall, 2),
         "engine_s": round(engine_s, 2),
         "ticks": int(ticks),
+        "recognizer_s": round(heard_s, 2),
+        "recognized_audio_s": round(heard_audio, 2),
+        "engine_share": round(engine_s / wall, 3),
+        "recognizer_share": round(heard_s / wall, 3),
     }
 
 
@@ -111,6 +128,7 @@ async def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--skip-solo", action="store_true", help="only the batched run")
+    parser.add_argument("--words", choices=("heard", "text"), default="heard", help="recogniser on or off")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="eval-speed-") as tmp:
@@ -123,6 +141,7 @@ async def main() -> None:
             "seconds": args.seconds,
             "model": args.model,
             "device": args.device,
+            "words": args.words,
         }
         report["batched"] = await batched(args, scenarios, clips, root / "batched")
         print(f"batched:        {json.dumps(report['batched'])}", flush=True)

@@ -303,3 +303,19 @@ def test_an_fdb_sample_folder_plays_its_input_and_keeps_its_annotation(tmp_path)
     )
     assert [type(s).__name__ for s in scenario.script] == ["Wav"]
     assert scenario.script[0].path == sample / "input.wav"
+
+
+def test_the_fdb_example_file_is_one_sample_per_task():
+    from support_eval import ROOT
+
+    from personaplex_voice.eval.scenario import load_scenarios
+
+    scenarios = load_scenarios([ROOT / "examples" / "eval_fdb.yaml"])
+    samples = {s.name: (s.fdb.task, s.fdb.id) for s in scenarios}
+    assert samples == {
+        "pause-address": ("pause_handling", 0),
+        "pause-recipe": ("pause_handling", 1),
+        "turn-weekend": ("smooth_turn_taking", 0),
+        "interrupt-books": ("user_interruption", 0),
+    }
+    assert "wise and friendly teacher" in scenarios[-1].spec.persona.text_prompt
