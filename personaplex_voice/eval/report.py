@@ -268,10 +268,13 @@ def _state(passed: bool) -> str:
     return "pass" if passed else "fail"
 
 
+_DECIMALS = {"ms": 0, "s": 2, "rate": 3, "/s": 3}  # rates as FDB prints them
+
+
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "–"
-    return f"{value:.0f}" if unit == "ms" else (f"{value:.2f}" if unit == "s" else f"{value:.1f}")
+    return f"{value:.{_DECIMALS.get(unit, 1)}f}"
 
 
 def _summary_row(sr: ScenarioResult) -> str:

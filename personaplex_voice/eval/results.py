@@ -163,7 +163,7 @@ MEASURES: dict[str, tuple[str, str]] = {
     "agent_words": ("", "agent words, per call"),
     "caller_talk_s": ("s", "caller speaking time, per call"),
     # Full-Duplex-Bench's own measures (its rules, our recogniser), for scenarios that are its samples
-    "fdb_tor": ("", "FDB take-turn rate (TOR), per sample"),
+    "fdb_tor": ("rate", "FDB take-turn rate (TOR), per sample"),
     "fdb_latency_s": ("s", "FDB latency (first word heard after the event; < 0 counted as 0), per sample"),
     "fdb_backchannel_freq": ("/s", "FDB backchannel frequency, per sample"),
 }
