@@ -1,15 +1,19 @@
 """How much faster `personaplex-voice eval` runs a suite batched than one call at a time.
 
     .venv/bin/python bench/eval_speed.py [--scenarios 16] [--seconds 30] [--model demo]
-        [--device cpu] [--skip-solo]
+        [--device cpu] [--skip-solo] [--words heard|text] [--agent model|scripted]
 
 Builds `--scenarios` scripted calls of about `--seconds` each (greeting wait, questions, a pause,
 a barge-in, keys; alternating the wideband and Twilio lines) and runs the whole eval pipeline on
 them twice in this process: batched (one engine with a slot per call, one SessionManager) and one
 at a time (a one-slot engine, each call its own run). Each: wall seconds, seconds of call audio
-per wall second (x real time), and the engine's share; then the speed-up. Everything the eval
-does is counted (engine, line codecs, VAD and measures, report and files). On a GPU, e.g.
-`--scenarios 64 --device cuda --skip-solo`. Last line: one JSON object. Printed, never asserted.
+per wall second (x real time), the engine's share, and the recogniser's (pocketsphinx hearing
+each agent's speech: `--words heard`, the default, as `eval` runs); then the speed-up. Everything
+the eval does is counted (engine, line codecs, VAD, recogniser and measures, report and files).
+`--agent scripted` answers with the scripted agent (espeak-ng speech, silero-vad ears) instead of
+`--model`: the demo model babbles sounds the VAD does not take for speech, so only a talking
+agent shows what hearing its words costs. On a GPU, e.g. `--scenarios 64 --device cuda
+--skip-solo`. Last line: one JSON object. Printed, never asserted.
 """
 
 from __future__ import annotations
@@ -21,13 +25,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from personaplex_voice.cli_options import configure_threads
 from personaplex_voice.engine.base import SAMPLE_RATE
 from personaplex_voice.engine.factory import build_engine
-from personaplex_voice.eval.scenario import CallerVoice, load_scenarios
+from personaplex_voice.engine.options import configure_threads
+from personaplex_voice.engine.scripted import Reply, ScriptedEngine
+from personaplex_voice.eval.scenario import load_scenarios
 from personaplex_voice.eval.speech import ClipBook, synthesize
+from personaplex_voice.eval.steps import CallerVoice
 from personaplex_voice.eval.suite import plan_calls, run_suite
 
+AGENT_VOICE = CallerVoice(voice="en-us+f2", rate=150)
+REPLIES = (
+    "Thank you for calling CitySan Services, how can I help you today?",
+    "Let me look up the collection schedule for your street.",
+    "Your next pickup is on Tuesday the fourteenth.",
+)
 LINES = [
     "Hello, I am calling about my waste collection.",
     "My address is twenty three Oak Street,",
@@ -69,26 +81,44 @@ def scenario_file(folder: Path, count: int, seconds: float) -> Path:
     return path
 
 
+def make_engine(args: argparse.Namespace, slots: int):
+    if args.agent == "scripted":
+        replies = [Reply(text, synthesize(text, AGENT_VOICE)) for text in REPLIES]
+        return ScriptedEngine(slots, replies=replies, respond_after_ms=300, stop_after_ms=200, greet=True)
+    engine = build_engine(args.model, num_slots=slots, device=args.device)
+    configure_threads(args.threads, engine)
+    return engine
+
+
 async def batched(args: argparse.Namespace, scenarios, clips: ClipBook, out: Path) -> dict:
     plans = plan_calls(scenarios)
-    engine = build_engine(args.model, num_slots=len(plans), device=args.device)
-    configure_threads(args.threads, engine)
+    engine = make_engine(args, len(plans))
     started = time.perf_counter()
-    summary, _ = await run_suite(scenarios, plans, clips, out, engine=engine)
+    summary, _ = await run_suite(scenarios, plans, clips, out, engine=engine, words=args.words)
     wall = time.perf_counter() - started
-    return {**summary.run, "wall_s": round(wall, 2), "x_realtime": round(summary.run["audio_s"] / wall, 2)}
+    run = summary.run
+    return {
+        **run,
+        "wall_s": round(wall, 2),
+        "x_realtime": round(run["audio_s"] / wall, 2),
+        "engine_share": round(run["engine_s"] / wall, 3),
+        "recognizer_share": round(run.get("recognizer_s", 0.0) / wall, 3),
+    }
 
 
 async def one_at_a_time(args: argparse.Namespace, scenarios, clips: ClipBook, out: Path) -> dict:
-    engine = build_engine(args.model, num_slots=1, device=args.device)
-    configure_threads(args.threads, engine)
+    engine = make_engine(args, 1)
     started = time.perf_counter()
-    audio = engine_s = ticks = 0.0
+    audio = engine_s = ticks = heard_s = heard_audio = 0.0
     for i, scenario in enumerate(scenarios):
-        summary, _ = await run_suite([scenario], plan_calls([scenario]), clips, out / str(i), engine=engine)
+        summary, _ = await run_suite(
+            [scenario], plan_calls([scenario]), clips, out / str(i), engine=engine, words=args.words
+        )
         audio += summary.run["audio_s"]
         engine_s += summary.run["engine_s"]
         ticks += summary.run["ticks"]
+        heard_s += summary.run.get("recognizer_s", 0.0)
+        heard_audio += summary.run.get("recognized_audio_s", 0.0)
     wall = time.perf_counter() - started
     return {
         "calls": len(scenarios),
@@ -97,6 +127,10 @@ async def one_at_a_time(args: argparse.Namespace, scenarios, clips: ClipBook, ou
         "x_realtime": round(audio / wall, 2),
         "engine_s": round(engine_s, 2),
         "ticks": int(ticks),
+        "recognizer_s": round(heard_s, 2),
+        "recognized_audio_s": round(heard_audio, 2),
+        "engine_share": round(engine_s / wall, 3),
+        "recognizer_share": round(heard_s / wall, 3),
     }
 
 
@@ -110,6 +144,8 @@ async def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--skip-solo", action="store_true", help="only the batched run")
+    parser.add_argument("--words", choices=("heard", "text"), default="heard", help="recogniser on or off")
+    parser.add_argument("--agent", choices=("model", "scripted"), default="model", help="who answers")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="eval-speed-") as tmp:
@@ -120,8 +156,9 @@ async def main() -> None:
         report: dict = {
             "scenarios": args.scenarios,
             "seconds": args.seconds,
-            "model": args.model,
+            "model": args.model if args.agent == "model" else "scripted agent",
             "device": args.device,
+            "words": args.words,
         }
         report["batched"] = await batched(args, scenarios, clips, root / "batched")
         print(f"batched:        {json.dumps(report['batched'])}", flush=True)

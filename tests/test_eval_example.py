@@ -43,7 +43,9 @@ async def test_the_waste_service_example_runs_as_documented(tmp_path):
     assert verdicts[("address-question", "responds_within_ms 800")] is True
     assert verdicts[("dtmf-transfer", "action transfer")] is True
     failure = results["greeting"].expectations[0].failures[0][1]
-    assert "How can I help you today?" in failure
+    assert "the agent was never heard saying /citysan|ayelen/ (heard: 'thank you for" in failure
+    (greeting,) = results["greeting"].calls
+    assert "How can I help you today?" in greeting.outcomes[0].text_message  # its own text agrees: no CitySan
 
     by_name = {t.plan.scenario.name: t for t in traces}
     transfer = by_name["dtmf-transfer"]
@@ -52,4 +54,4 @@ async def test_the_waste_service_example_runs_as_documented(tmp_path):
     ]
     assert transfer.duration_s == pytest.approx(transfer.log.keys[0][0], abs=1 / 8000)
     barge = results["barge-in"].calls[0].measures.turns[1]
-    assert barge.kind == "barge_in" and abs(barge.stop_ms - 200) <= 80
+    assert barge.kind == "barge_in" and 150 <= barge.stop_ms <= 340  # 200 ms after the agent hears it

@@ -1,13 +1,22 @@
-"""eval's measures against an agent whose timing is known: the scripted engine answers N ms after
-the caller stops and stops M ms after a barge-in, exact to the sample; the measures (silero-vad on
-the call's audio) must find N and M within one frame, on the wideband and the Twilio line."""
+"""eval's measures against the audio's own timing: the scripted agent (it hears with silero-vad)
+answers about N ms after the caller stops and stops about M ms after a barge-in, as its ears let
+it; each call's line is tapped for the clean audio, and the measures (silero-vad and boundary
+refinement on what crossed the line) must equal the clean audio's timing within one frame, on
+the wideband and the Twilio line. Noisy, many-voiced calls: test_eval_validation.py."""
 
 from __future__ import annotations
 
 import pytest
-from support_eval import load, run, scripted_engine
+from support_eval import load, run, run_tapped, scripted_engine
 
-from personaplex_voice.eval.measures import Piece, ScriptPause, ScriptTurn, measure
+from personaplex_voice.eval.measures import (
+    TEXT_SLACK,
+    Piece,
+    ScriptPause,
+    ScriptTurn,
+    measure,
+    words_of_pieces,
+)
 from personaplex_voice.eval.vad import Segment
 
 pytestmark = pytest.mark.timeout(240)
@@ -28,16 +37,16 @@ scenarios:
       - barge_in: {after_agent_speech_ms: 500, say: "Sorry, I meant the recycling."}
       - silence: 1.6s
     expect: &meets
-      responds_within_ms: 700
-      stops_within_ms: 420
-      agent_says: ["transfer you"]
+      responds_within_ms: 900
+      stops_within_ms: 600
+      agent_says: ["closed on sunday"]
   - name: misses-wideband
     line: wideband
     script: *script
     expect: &misses
       responds_within_ms: 300
       stops_within_ms: 200
-      agent_never_says: ["colleague"]
+      agent_never_says: ["sunday"]
   - name: meets-twilio
     line: twilio
     script: *script
@@ -49,20 +58,31 @@ scenarios:
 """
 
 
-async def test_latencies_equal_the_agents_timing_within_a_frame(tmp_path):
+async def test_latencies_equal_the_audios_own_within_a_frame(tmp_path):
     scenarios = load(tmp_path, TIMING)
-    summary, _ = await run(scenarios, tmp_path / "out", scripted_engine(4, respond_ms=N_MS, stop_ms=M_MS))
+    engine = scripted_engine(4, respond_ms=N_MS, stop_ms=M_MS)
+    summary, taps = await run_tapped(scenarios, tmp_path / "out", engine)
     results = {sr.scenario.name: sr for sr in summary.scenarios}
     assert set(results) == {"meets-wideband", "misses-wideband", "meets-twilio", "misses-twilio"}
     for sr in results.values():
         (call,) = sr.calls
+        assert call.trace.error is None
         turns = call.measures.turns
         assert [t.kind for t in turns] == ["say", "barge_in"]
         assert all(t.heard for t in turns)
-        for turn in turns:  # the agent answers both the first turn and the barge-in
-            assert abs(turn.response_ms - N_MS) <= FRAME_MS, (sr.scenario.name, turn)
-        assert abs(turns[1].stop_ms - M_MS) <= FRAME_MS, (sr.scenario.name, turns[1])
-        assert call.trace.error is None
+        caller, agent = taps[call.id].truth(call.trace.plan.line.rate)  # the clean audio, in the line's band
+        ends = [
+            max(s.end for s in caller if s.start < t.end and s.end > t.start) for t in call.trace.log.turns
+        ]
+        for turn, end in zip(
+            turns, ends, strict=True
+        ):  # the agent answers both the question and the barge-in
+            true_ms = 1000 * (min(a.start for a in agent if a.start > end) - end)
+            assert abs(turn.response_ms - true_ms) <= FRAME_MS, (sr.scenario.name, turn, true_ms)
+            assert N_MS - 150 <= true_ms <= N_MS + 250  # the agent's own timing, as its ears allow
+        barge = min(s.start for s in caller if s.end > call.trace.log.turns[1].start)
+        true_stop = 1000 * (max(a.end for a in agent if a.start < barge) - barge)
+        assert abs(turns[1].stop_ms - true_stop) <= FRAME_MS, (sr.scenario.name, turns[1], true_stop)
 
     for line in ("wideband", "twilio"):
         meets, misses = results[f"meets-{line}"], results[f"misses-{line}"]
@@ -73,7 +93,7 @@ async def test_latencies_equal_the_agents_timing_within_a_frame(tmp_path):
         assert "answered after" in by_label["responds_within_ms 300"]
         assert "turn 2 (barge-in 'Sorry, I meant the recycling.')" in by_label["stops_within_ms 200"]
         assert "went on for" in by_label["stops_within_ms 200"]
-        assert "colleague" in by_label["agent_never_says /colleague/"]
+        assert "the agent was heard saying 'sunday'" in by_label["agent_never_says /sunday/"]
 
 
 PAUSES = """
@@ -101,7 +121,7 @@ async def test_a_pause_longer_than_the_agents_wait_is_taken_over_and_named(tmp_p
     pauses = call.measures.pauses
     assert [p.after_turn for p in pauses] == [1, 2]
     assert [p.taken_over for p in pauses] == [False, True]
-    assert abs((pauses[1].agent_start - pauses[1].start) * 1000 - 400) <= FRAME_MS
+    assert 400 - 150 <= (pauses[1].agent_start - pauses[1].start) * 1000 <= 400 + 250
     (exp,) = sr.expectations
     assert not exp.passed
     assert "took the floor in 1 of 2 pauses" in exp.failures[0][1]
@@ -178,7 +198,8 @@ def test_measure_definitions_on_known_segments():
         Segment(9.0, 9.3),  # short, but three words: not a backchannel; talk-over 0.3 s
     ]
     pieces = [Piece(2.0, " mhm"), Piece(3.6, " well then"), Piece(9.0, " a b c")]
-    m = measure(turns, [ScriptPause(1, 4.0, 8.0)], caller, agent, pieces, duration_s=12.0)
+    words = words_of_pieces(pieces)
+    m = measure(turns, [ScriptPause(1, 4.0, 8.0)], caller, agent, words, duration_s=12.0, slack=TEXT_SLACK)
     one, two = m.turns
     assert one.backchannels == 1 and two.backchannels == 0
     assert one.talk_over_ms == pytest.approx(500) and two.talk_over_ms == pytest.approx(300)

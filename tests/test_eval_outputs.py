@@ -1,6 +1,7 @@
-"""What `personaplex-voice eval` leaves in --out (and --fdb), from one run of the command on the
-scripted agent: junit.xml (parsed), results.json, per-call stereo WAV and transcripts, the
-Full-Duplex-Bench layout, the exit status against --fail-under, and report.html in Chromium."""
+"""What `personaplex-voice eval` leaves in --out, from one run of the command on the scripted
+agent: junit.xml (parsed), results.json (the words heard beside the model's text), per-call
+stereo WAV and transcripts, the exit status against --fail-under, and report.html in Chromium.
+The Full-Duplex-Bench export: test_eval_fdb.py."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ scenarios:
       - say: "Hi."
       - silence: 0.8s
     expect:
-      agent_says: ["how can i help"]
+      agent_says: ["how can i"]
       agent_never_says: ["goodbye"]
   - name: question
     script:
@@ -57,14 +58,13 @@ REPEAT = 2
 def run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("eval-outputs")
     path = scenario_file(root, SCENARIOS)
-    out, fdb = root / "out", root / "fdb"
+    out = root / "out"
     args = ["eval", str(path), "--out", str(out), "--engine", "scripted", "--repeat", str(REPEAT), "--quiet"]
-    main([*args, "--fdb", str(fdb), "--fail-under", "0.5"])  # returns: the pass rate is above a half
+    main([*args, "--fail-under", "0.5"])  # returns: the pass rate is above a half
     with pytest.raises(SystemExit) as strict:
         main([*args, "--out", str(root / "strict")])  # the default: every check must pass
     return {
         "out": out,
-        "fdb": fdb,
         "strict_exit": strict.value.code,
         "results": json.loads((out / "results.json").read_text()),
     }
@@ -86,18 +86,18 @@ def test_junit_has_one_testcase_per_expectation(run):
     assert set(suites) == {"greeting", "question", "interrupt"}
     cases = {(s, c.get("name")): c for s, suite in suites.items() for c in suite.findall("testcase")}
     assert set(cases) == {
-        ("greeting", "agent_says /how can i help/"),
+        ("greeting", "agent_says /how can i/"),
         ("greeting", "agent_never_says /goodbye/"),
         ("question", "responds_within_ms 150"),
         ("question", "max_pause_takeovers 0"),
         ("interrupt", "stops_within_ms 400"),
     }
     assert int(root.get("tests")) == 5
-    # The scripted agent answers 300 ms after the caller stops: the 150 ms promise fails, naming the turn.
+    # The scripted agent answers 300 ms after it hears the caller stop: the 150 ms promise fails.
     failure = cases[("question", "responds_within_ms 150")].find("failure")
     assert failure is not None and "held in 0 of 2 repeats" in failure.get("message")
-    assert re.search(r"repeat 1: turn 2 \(say 'In size ten\?'\): answered after 3\d\d ms", failure.text)
-    for key in [("greeting", "agent_says /how can i help/"), ("interrupt", "stops_within_ms 400")]:
+    assert re.search(r"repeat 1: turn 2 \(say 'In size ten\?'\): answered after [2-5]\d\d ms", failure.text)
+    for key in [("greeting", "agent_says /how can i/"), ("interrupt", "stops_within_ms 400")]:
         assert cases[key].find("failure") is None, key
     assert int(root.get("failures")) == sum(c.find("failure") is not None for c in cases.values())
     assert cases[("question", "max_pause_takeovers 0")].get("line") == "22"
@@ -109,9 +109,12 @@ def test_results_and_call_files(run):
     assert [c["repeat"] for c in by_name["question"]["calls"]] == [1, 2]
     assert [c["seed"] for c in by_name["question"]["calls"]] == [0, 1]
     agg = by_name["question"]["aggregates"]["response_ms"]
-    assert agg["n"] == REPEAT and 250 <= agg["mean"] <= 380 and agg["p90"] >= agg["mean"]
+    assert agg["n"] == REPEAT and 200 <= agg["mean"] <= 550 and agg["p90"] >= agg["mean"]
     stop = by_name["interrupt"]["aggregates"]["stop_ms"]
-    assert stop["n"] == REPEAT and abs(stop["mean"] - 200) <= 80  # the scripted agent stops 200 ms in
+    assert (
+        stop["n"] == REPEAT and 150 <= stop["mean"] <= 340
+    )  # the scripted agent stops 200 ms after it hears
+
     for scenario, rate in (("greeting", 8000), ("question", 24000), ("interrupt", 24000)):
         for call in by_name[scenario]["calls"]:
             info = soundfile.info(out / call["files"]["wav"])
@@ -119,45 +122,16 @@ def test_results_and_call_files(run):
             assert info.duration == pytest.approx(call["duration_s"], abs=0.01)
             transcript = json.loads((out / call["files"]["transcript"]).read_text())
             assert transcript["agent_text"] == call["agent_text"]
+            assert transcript["agent_heard"] == call["agent_heard"]
     greeting = by_name["greeting"]["calls"][0]
-    assert "How can I help you today?" in greeting["agent_text"]
+    assert "How can I help" in greeting["agent_text"]  # what the model meant
+    assert "how can i" in greeting["agent_heard"]["text"]  # what the caller heard
+    assert results["run"]["words"] == "heard"
     question = json.loads((out / by_name["question"]["calls"][0]["files"]["transcript"]).read_text())
     assert [t["text"] for t in question["caller"]] == ["Do you sell running shoes?", "In size ten?"]
     assert (
         "caller: In size ten?"
         in (out / by_name["question"]["calls"][0]["files"]["transcript_txt"]).read_text()
-    )
-
-
-def test_full_duplex_bench_layout(run):
-    fdb = run["fdb"]
-    index = json.loads((fdb / "index.json").read_text())
-    assert index["skipped"] == {}
-    index = index["samples"]
-    assert sorted(index) == [
-        "pause_handling/0",
-        "pause_handling/1",
-        "smooth_turn_taking/0",
-        "smooth_turn_taking/1",
-        "user_interruption/0",
-        "user_interruption/1",
-    ]
-    for sample, origin in index.items():
-        folder = fdb / sample
-        inp, outp = soundfile.info(folder / "input.wav"), soundfile.info(folder / "output.wav")
-        assert (inp.samplerate, inp.channels, outp.samplerate, outp.channels) == (16000, 1, 16000, 1)
-        assert inp.frames == outp.frames  # time-synchronous, as the scorers expect
-        assert sample.split("/")[1].isdigit() and origin["call"].startswith(origin["scenario"])
-    (interrupt,) = json.loads((fdb / "user_interruption/0/interrupt.json").read_text())
-    start, end = interrupt["timestamp"]
-    assert interrupt["interrupt"] == "Sorry, one moment." and 0.4 < start < end
-    (turn,) = json.loads((fdb / "smooth_turn_taking/0/turn_taking.json").read_text())
-    assert turn["timestamp"][0] < turn["timestamp"][1]
-    pauses = json.loads((fdb / "pause_handling/0/pause.json").read_text())
-    assert len(pauses) == 1
-    # Each task folder holds sample folders only (the scorers list it).
-    assert all(
-        p.is_dir() for task in ("pause_handling", "smooth_turn_taking") for p in (fdb / task).iterdir()
     )
 
 

@@ -1,5 +1,7 @@
 """`eval --url`: the same scenarios against a real server (`serve --engine echo` under uvicorn),
-in real time over /api/chat with Ogg-Opus, end to end."""
+in real time over /api/chat with Ogg-Opus, end to end. The echo's text stream ("echo engine")
+is not what its audio says (the caller's own words), so the words checks here judge the text
+(`--words text`); the recogniser on the agent's audio: test_eval_words.py."""
 
 from __future__ import annotations
 
@@ -55,13 +57,15 @@ def test_url_mode_runs_the_scenarios_against_a_served_echo(tmp_path):
                 "--concurrency",
                 "2",
                 "--quiet",
+                "--words",
+                "text",
             ]
         )
         assert server.alive()
     results = json.loads((out / "results.json").read_text())
     assert results["pass_rate"] == 1.0 and results["checks"] == {"passed": 3, "total": 3}
     run = results["run"]
-    assert run["mode"] == "url" and run["url"].endswith("/api/chat")
+    assert run["mode"] == "url" and run["url"].endswith("/api/chat") and run["words"] == "text"
     assert run["x_realtime"] <= 2.5  # two calls at once, each paced in real time
     by_name = {s["scenario"]: s["calls"][0] for s in results["scenarios"]}
 

@@ -11,7 +11,8 @@ import pytest
 from support_eval import scenario_file
 
 from personaplex_voice.cli import main
-from personaplex_voice.eval.scenario import Dtmf, Pause, Say, Silence, load_scenarios
+from personaplex_voice.eval.scenario import load_scenarios
+from personaplex_voice.eval.steps import Dtmf, Pause, Say, Silence
 from personaplex_voice.eval.suite import plan_calls
 from personaplex_voice.eval.yaml_source import ScenarioError
 

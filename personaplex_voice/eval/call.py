@@ -60,6 +60,9 @@ class CallTrace:
     error: str | None = None
     session: dict = field(default_factory=dict)  # the session's stats at the end
     duration_s: float = 0.0
+    # The agent as the engine made it (24 kHz, before the line): what the recogniser hears, since
+    # its model is wideband and mishears a phone line's 4 kHz band (docs/eval.md, *Words*).
+    agent_source: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.duration_s = len(self.caller) / self.plan.line.rate
@@ -69,6 +72,7 @@ class CallTrace:
         keep only results in memory)."""
         self.caller = self.caller[:0]
         self.agent = self.agent[:0]
+        self.agent_source = None
 
 
 @dataclass
@@ -90,6 +94,7 @@ class CallDriver:
         self.ended_by: str | None = None
         self._caller: list[np.ndarray] = []
         self._agent: list[np.ndarray] = []
+        self._source: list[np.ndarray] = []
         self._pieces: list[Piece] = []
         self._tokens: list[np.ndarray] = []
         self._pending: list[_Pending] = []
@@ -130,6 +135,7 @@ class CallDriver:
         t = self.frames_in * FRAME_S
         heard = self.codec.downlink(pcm)
         self._agent.append(heard)
+        self._source.append(np.asarray(pcm, np.float32).copy())
         self.frames_in += 1
         if tokens is not None:
             self._tokens.append(np.asarray(tokens))
@@ -173,6 +179,9 @@ class CallDriver:
         caller = caller[:n]
         agent = np.pad(agent[:n], (0, n - min(n, len(agent))))
         limit = n / rate
+        k = round(limit * SAMPLE_RATE)
+        source = np.concatenate(self._source)[:k] if self._source else np.zeros(0, np.float32)
+        source = np.pad(source, (0, k - len(source)))
         tokens = np.stack(self._tokens[: round(limit / FRAME_S + 0.4999)]) if self._tokens else None
         return CallTrace(
             plan=self.plan,
@@ -185,4 +194,5 @@ class CallDriver:
             ended_by=self.ended_by,
             error=error,
             session=session or {},
+            agent_source=source,
         )

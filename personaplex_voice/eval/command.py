@@ -34,12 +34,14 @@ from personaplex_voice.cli_options import (
 )
 from personaplex_voice.errors import UserError
 
+from .steps import CallerVoice
+
 # What `--engine scripted` says (a dry run of scenario files without a model).
 SCRIPTED_REPLIES = (
     "Thank you for calling. How can I help you today?",
     "I see. Let me check that for you right away.",
 )
-SCRIPTED_VOICE = "en-us+f3"
+SCRIPTED_VOICE = CallerVoice(voice="en-us+f2", rate=150)  # a voice the recogniser hears well
 SCRIPTED_RESPOND_MS = 300
 SCRIPTED_STOP_MS = 200
 
@@ -71,8 +73,17 @@ def eval_command(
     ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Base seed of scenarios whose persona has none.")] = 0,
     fdb: Annotated[
-        Path | None, typer.Option("--fdb", help="Also write the calls in Full-Duplex-Bench's layout here.")
+        Path | None,
+        typer.Option("--fdb", help="Also write the `fdb:` scenarios as Full-Duplex-Bench samples here."),
     ] = None,
+    words: Annotated[
+        str,
+        typer.Option(
+            "--words",
+            help="heard: a speech recogniser on the agent's audio decides agent_says and the word "
+            "counts (the model's text is kept beside it); text: the model's own text decides.",
+        ),
+    ] = "heard",
     fail_under: Annotated[
         float, typer.Option("--fail-under", help="Exit 1 when the pass rate (0-1) is below this.")
     ] = 1.0,
@@ -112,8 +123,15 @@ def eval_command(
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
 
+    if words not in ("heard", "text"):
+        raise UserError(f"--words {words}: choose heard or text")
     if importlib.util.find_spec("silero_vad") is None:
         raise UserError("eval measures calls with silero-vad: pip install 'personaplex-voice[eval]'")
+    if words == "heard" and importlib.util.find_spec("pocketsphinx") is None:
+        raise UserError(
+            "eval hears the agent with pocketsphinx: pip install 'personaplex-voice[eval]' "
+            "(or --words text to judge the model's own text)"
+        )
 
     from .progress import Progress
     from .scenario import load_scenarios
@@ -121,6 +139,8 @@ def eval_command(
     from .suite import plan_calls, run_suite
 
     loaded = load_scenarios(scenarios)
+    if fdb is not None:
+        _check_fdb_samples(loaded)
     plans = plan_calls(loaded, repeat=repeat, base_seed=seed, line=line)
     clips = ClipBook()
     clips.add_scenarios(loaded)
@@ -170,6 +190,7 @@ def eval_command(
             fdb_dir=fdb,
             progress=progress,
             run_info=run_info,
+            words=words,
         )
     )
     passed, total = summary.checks
@@ -189,17 +210,35 @@ def eval_command(
         raise typer.Exit(1)
 
 
+def _check_fdb_samples(loaded) -> None:
+    """`--fdb` exports the scenarios that are FDB samples (`fdb:`); whole calls are not: FDB scores
+    every word of a sample as one event, so an opening greeting would score as taking the turn."""
+    whole_calls = [s.name for s in loaded if s.fdb is None]
+    if len(whole_calls) == len(loaded):
+        raise UserError(
+            "--fdb: no scenario is a Full-Duplex-Bench sample; FDB scores each sample as one event over "
+            "its whole output, so a whole call (greeting first) would score as taking the turn. Give the "
+            "scenarios to export `fdb: <task>` (docs/eval.md, Full-Duplex-Bench)"
+        )
+    if whole_calls:
+        typer.echo(
+            f"warning: --fdb exports only the fdb: scenarios; {len(whole_calls)} whole call(s) are not "
+            f"Full-Duplex-Bench samples and are left out: {', '.join(whole_calls)}",
+            err=True,
+        )
+
+
 def _build_engine(
     engine: str, model: str, slots: int, *, device, dtype, prefill, quantize, kv_dtype, threads, overrides
 ):
     if engine == "scripted":
         from personaplex_voice.engine.scripted import Reply, ScriptedEngine
 
-        from .scenario import CallerVoice
         from .speech import synthesize
 
-        voice = CallerVoice(voice=SCRIPTED_VOICE)
-        replies = [Reply(text, synthesize(text, voice, "--engine scripted")) for text in SCRIPTED_REPLIES]
+        replies = [
+            Reply(text, synthesize(text, SCRIPTED_VOICE, "--engine scripted")) for text in SCRIPTED_REPLIES
+        ]
         return ScriptedEngine(
             slots,
             replies=replies,

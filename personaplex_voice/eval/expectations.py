@@ -2,7 +2,10 @@
 
 Each `Expectation` of a scenario gives one `Outcome` per call: passed or not, with a message
 that says what happened and, for the per-turn ones, which turn (`turn 2 (say 'When is my next
-pickup?'): answered after 1840 ms, limit 800 ms`).
+pickup?'): answered after 1840 ms, limit 800 ms`). `agent_says` and `agent_never_says` are decided
+on the words heard in the agent's audio (the recogniser) when the run hears them, and also
+checked on the model's own text: that second verdict is kept beside the first, and a call where
+the two disagree says so.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .measures import CallMeasures
+from .measures import CallMeasures, Piece, Word
 from .scenario import NO_ACTION, Expectation
 
 
@@ -19,6 +22,13 @@ class Outcome:
     label: str
     passed: bool
     message: str
+    by_text: bool | None = None  # the same check on the model's own text (words checks, when heard)
+    text_message: str = ""
+
+    @property
+    def disagrees(self) -> bool:
+        """The audio and the model's text give different verdicts."""
+        return self.by_text is not None and self.by_text != self.passed
 
 
 @dataclass(frozen=True)
@@ -33,21 +43,66 @@ class FiredAction:
     ends_call: bool
 
 
+@dataclass(frozen=True)
+class Transcript:
+    """Text to match patterns on, and when each part of it was said."""
+
+    text: str
+    marks: tuple[tuple[int, float], ...]  # (offset just past a piece or word, its time)
+    source: str  # "heard" (the recogniser on the audio) or "text" (the model's text stream)
+
+    @classmethod
+    def of_pieces(cls, pieces: Sequence[Piece]) -> Transcript:
+        marks, seen = [], 0
+        for p in pieces:
+            seen += len(p.text)
+            marks.append((seen, p.t))
+        return cls("".join(p.text for p in pieces), tuple(marks), "text")
+
+    @classmethod
+    def of_words(cls, words: Sequence[Word]) -> Transcript:
+        marks, seen = [], 0
+        for w in words:
+            seen += len(w.text) + 1
+            marks.append((seen, w.start))
+        return cls(" ".join(w.text for w in words), tuple(marks), "heard")
+
+    def time_at(self, offset: int) -> float:
+        for end, t in self.marks:
+            if offset < end:
+                return t
+        return self.marks[-1][1] if self.marks else 0.0
+
+
 @dataclass
 class CallEvidence:
-    """What the expectations look at: the measures, the agent's transcript, the actions, and the
-    barge-ins whose cue never came (turn label, after_agent_speech_ms)."""
+    """What the expectations look at: the measures, what the agent said (heard, when the run
+    hears it, and its own text), the actions, and the barge-ins whose cue never came (turn
+    label, after_agent_speech_ms)."""
 
     measures: CallMeasures
-    transcript: str
-    pieces: Sequence[tuple[float, str]]  # (t, text) to say when a phrase was said
+    text: Transcript  # the model's own text stream
     actions: Sequence[FiredAction]
+    heard: Transcript | None = None  # the recogniser's words, None with --words text
     missed_barge_ins: Sequence[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def words(self) -> Transcript:
+        """The transcript that decides: heard when there is one."""
+        return self.heard if self.heard is not None else self.text
 
 
 def check(exp: Expectation, ev: CallEvidence) -> Outcome:
-    checker = _CHECKS[exp.key]
-    passed, message = checker(exp, ev)
+    if exp.key in _WORD_CHECKS:
+        checker = _WORD_CHECKS[exp.key]
+        passed, message = checker(exp, ev.words)
+        if ev.heard is None:
+            return Outcome(exp.label, passed, message)
+        by_text, text_message = checker(exp, ev.text)
+        if by_text != passed:
+            message += f"; its own text disagrees: {text_message}"
+        return Outcome(exp.label, passed, message, by_text, text_message)
+    passed, message = _CHECKS[exp.key](exp, ev)
     return Outcome(exp.label, passed, message)
 
 
@@ -56,29 +111,25 @@ def _shorten(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _agent_says(exp: Expectation, ev: CallEvidence) -> tuple[bool, str]:
-    match = exp.value.search(ev.transcript)
+def _agent_says(exp: Expectation, said: Transcript) -> tuple[bool, str]:
+    match = exp.value.search(said.text)
+    heard = said.source == "heard"
     if match:
-        return True, f"said {match.group(0).strip()!r} at {_time_of(ev, match.start()):.2f} s"
-    said = _shorten(ev.transcript) or "nothing"
-    return False, f"the agent never said /{exp.value.pattern}/ (it said: {said!r})"
+        verb = "heard" if heard else "said"
+        return True, f"{verb} {match.group(0).strip()!r} at {said.time_at(match.start()):.2f} s"
+    what = _shorten(said.text) or "nothing"
+    if heard:
+        return False, f"the agent was never heard saying /{exp.value.pattern}/ (heard: {what!r})"
+    return False, f"the agent never said /{exp.value.pattern}/ (it said: {what!r})"
 
 
-def _agent_never_says(exp: Expectation, ev: CallEvidence) -> tuple[bool, str]:
-    match = exp.value.search(ev.transcript)
+def _agent_never_says(exp: Expectation, said: Transcript) -> tuple[bool, str]:
+    match = exp.value.search(said.text)
+    heard = said.source == "heard"
     if match is None:
-        return True, f"never said /{exp.value.pattern}/"
-    return False, f"the agent said {match.group(0).strip()!r} at {_time_of(ev, match.start()):.2f} s"
-
-
-def _time_of(ev: CallEvidence, offset: int) -> float:
-    """When the piece holding transcript character `offset` was said."""
-    seen = 0
-    for t, text in ev.pieces:
-        seen += len(text)
-        if offset < seen:
-            return t
-    return ev.pieces[-1][0] if ev.pieces else 0.0
+        return True, f"never {'heard' if heard else 'said'} /{exp.value.pattern}/"
+    verb = "the agent was heard saying" if heard else "the agent said"
+    return False, f"{verb} {match.group(0).strip()!r} at {said.time_at(match.start()):.2f} s"
 
 
 def _responds_within(exp: Expectation, ev: CallEvidence) -> tuple[bool, str]:
@@ -148,9 +199,8 @@ def _action(exp: Expectation, ev: CallEvidence) -> tuple[bool, str]:
     return True, f"actions fired: {fired}"
 
 
+_WORD_CHECKS = {"agent_says": _agent_says, "agent_never_says": _agent_never_says}
 _CHECKS = {
-    "agent_says": _agent_says,
-    "agent_never_says": _agent_never_says,
     "responds_within_ms": _responds_within,
     "stops_within_ms": _stops_within,
     "max_talk_over_ms": _max_talk_over,

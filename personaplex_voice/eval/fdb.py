@@ -1,25 +1,25 @@
-"""`--fdb DIR`: the calls in Full-Duplex-Bench's layout, so its own scorers run on them unchanged.
+"""`--fdb DIR`: the run's Full-Duplex-Bench samples in FDB's layout, for its own scorers.
 
-Full-Duplex-Bench (v1/v1.5) scores a task folder of samples, each sample a folder holding the
-user's stream `input.wav` and the model's time-synchronous `output.wav` (its `asr.py` then adds
-the time-aligned `output.json` the scorers read), plus the task's annotation file:
+FDB v1.0 (github.com/DanielLin94144/Full-Duplex-Bench, `v1_v1.5/`) scores a task folder of sample
+folders: each holds the user's stream `input.wav`, the model's time-synchronous `output.wav`,
+the task's annotation file, and the `output.json` its `get_transcript/asr.py` makes from
+`output.wav` (word chunks with times). Its scorers treat every entry of a task folder as a
+sample (`eval_pause_handling.py` lists it and opens each entry as a folder,
+`eval_user_interruption.py` walks every folder below), so a task folder holds sample folders
+only. One repeat of the run is one FDB run:
 
 ```
-DIR/<task>/<id>/input.wav        the caller as the engine heard it, 16 kHz mono 16-bit
-DIR/<task>/<id>/output.wav       the agent, same timeline and length
-DIR/user_interruption/<id>/interrupt.json   [{"timestamp": [start, end], "context": ..., "interrupt": ...}]
-DIR/smooth_turn_taking/<id>/turn_taking.json [{"timestamp": [caller turn end, call end], "text": ...}]
-DIR/pause_handling/<id>/pause.json          [{"timestamp": [start, end]}, ...]  one per pause
-DIR/index.json                    {"samples": {<task>/<id>: call, scenario, repeat, seed},
-                                   "skipped": {call: why}}  (outside the task folders, whose
-                                  scorers take every entry of a task folder for a sample)
+DIR/r<repeat>/<task>/<id>/input.wav    the caller as the engine heard it, 16 kHz mono 16-bit
+DIR/r<repeat>/<task>/<id>/output.wav   the agent as the caller heard it, same timeline and length
+DIR/r<repeat>/<task>/<id>/pause.json | turn_taking.json | interrupt.json   (backchannel: none)
+DIR/index.json     {"samples": {"r1/pause_handling/3": {call, scenario, repeat, seed}, ...},
+                    "skipped": {call: why}, "not_samples": [scenario, ...]}
 ```
-A call is skipped when it failed, or when its task's annotation has nothing to hold (a
-turn-taking sample with no caller turn that waits for an answer, an interruption sample whose
-barge-in never came): the scorers need it in every sample.
-Sample ids are numbers (the backchannel scorer only reads numeric folders). A scenario's task
-is its `fdb_task`, else `user_interruption` when it has a barge-in, `pause_handling` when it has
-pauses, else `smooth_turn_taking`. Times come from the VAD of the caller's side.
+
+Only scenarios marked `fdb:` are samples (`fdb_spec`: one stimulus, one event, stable ids); a
+whole call is not one, since FDB would score its greeting as taking the turn, and `run_suite`
+says so. A sample whose event did not happen (a barge-in whose cue never came) or whose call
+failed is listed under `skipped`: the scorers need the annotation in every sample.
 """
 
 from __future__ import annotations
@@ -32,84 +32,54 @@ import soundfile
 
 from personaplex_voice.audio.resample import resample
 
+from .fdb_spec import ANNOTATION_FILES
 from .results import CallResult
-from .scenario import BargeIn, Pause, Scenario
 
 FDB_RATE = 16_000
 
 
-def task_of(scenario: Scenario) -> str:
-    if scenario.fdb_task:
-        return scenario.fdb_task
-    if any(isinstance(s, BargeIn) for s in scenario.script):
-        return "user_interruption"
-    if any(isinstance(s, Pause) for s in scenario.script):
-        return "pause_handling"
-    return "smooth_turn_taking"
-
-
-def _annotation(task: str, result: CallResult) -> tuple[str, list[dict[str, Any]]] | None:
-    turns = result.measures.turns
-    if task == "user_interruption":
-        barges = [t for t in turns if t.kind == "barge_in"]
-        if not barges:
-            return None
-        barge = barges[0]
-        context = " ".join(t.text for t in turns if t.number < barge.number)
-        return "interrupt.json", [
-            {
-                "timestamp": [round(barge.start, 3), round(barge.end, 3)],
-                "context": context,
-                "interrupt": barge.text,
-            }
-        ]
-    if task == "smooth_turn_taking":
-        answered = [t for t in turns if t.then == "answer"]
-        if not answered:
-            return None
-        last = answered[-1]
-        end = round(result.trace.duration_s, 3)
-        return "turn_taking.json", [{"timestamp": [round(last.end, 3), end], "text": last.text}]
-    if task == "pause_handling":
-        return "pause.json", [
-            {"timestamp": [round(p.start, 3), round(p.end, 3)]} for p in result.measures.pauses
-        ]
-    return None
+def sample_path(result: CallResult) -> str:
+    """`r<repeat>/<task>/<id>` of a call whose scenario is an FDB sample."""
+    plan = result.trace.plan
+    spec = plan.scenario.fdb
+    assert spec is not None and spec.id is not None
+    return f"r{plan.repeat + 1}/{spec.task}/{spec.id}"
 
 
 class FdbWriter:
-    """Writes each finished call as a sample of its task; `close` writes `index.json`."""
+    """Writes each finished sample call; `close` writes `index.json`."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.index: dict[str, dict[str, Any]] = {}
         self.skipped: dict[str, str] = {}
-        self._counts: dict[str, int] = {}
+        self.not_samples: set[str] = set()
 
     def add(self, result: CallResult) -> None:
         plan = result.trace.plan
-        task = task_of(plan.scenario)
-        annotation = _annotation(task, result)
+        spec = plan.scenario.fdb
+        if spec is None:
+            self.not_samples.add(plan.scenario.name)
+            return
         if result.trace.error is not None:
             self.skipped[result.id] = f"the call failed: {result.trace.error}"
             return
-        if annotation is None and task != "backchannel":
-            self.skipped[result.id] = f"no {task.replace('_', ' ')} in the call to annotate"
+        if result.fdb_annotation is None and spec.task != "backchannel":
+            self.skipped[result.id] = "the interruption never came (the agent never spoke long enough)"
             return
-        sample = str(self._counts.get(task, 0))
-        self._counts[task] = int(sample) + 1
-        folder = self.root / task / sample
+        sample = sample_path(result)
+        folder = self.root / sample
         folder.mkdir(parents=True, exist_ok=True)
         rate = plan.line.rate
         for name, pcm in (("input.wav", result.trace.caller), ("output.wav", result.trace.agent)):
             soundfile.write(
                 folder / name, resample(pcm, rate, FDB_RATE), FDB_RATE, subtype="PCM_16", format="WAV"
             )
-        if annotation is not None:
-            name, data = annotation
-            (folder / name).write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
-        self.index[f"{task}/{sample}"] = {
+        if result.fdb_annotation is not None:
+            text = json.dumps(result.fdb_annotation, indent=1, ensure_ascii=False)
+            (folder / ANNOTATION_FILES[spec.task]).write_text(text, encoding="utf-8")
+        self.index[sample] = {
             "call": result.id,
             "scenario": plan.scenario.name,
             "repeat": plan.repeat + 1,
@@ -117,5 +87,6 @@ class FdbWriter:
         }
 
     def close(self) -> None:
-        data = {"samples": self.index, "skipped": self.skipped}
+        data = {"samples": dict(sorted(self.index.items())), "skipped": self.skipped}
+        data["not_samples"] = sorted(self.not_samples)
         (self.root / "index.json").write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -2,15 +2,16 @@
 
 Pure functions of their inputs: the caller's turns as the script played them (`ScriptTurn`,
 `ScriptPause`), the speech segments of both sides (`vad.Segment`, seconds on the call's
-timeline) and the agent's text pieces with their times. Definitions (docs/eval.md, *Measures*):
+timeline) and the agent's words with their times (`Word`: heard by the recogniser, or the
+model's own text pieces with `--words text`). Definitions (docs/eval.md, *Measures*):
 
 - a caller turn's speech: the caller's segments, cut to the window from 100 ms before its clip
   started to 300 ms after it ended (or to the next turn's clip, if sooner); the first start to
   the last end (pieces under 60 ms, another turn's edge, are left out). When the VAD heard
   nothing there, the clip's own span, flagged `heard: false`.
 - short agent speech: a segment under `SHORT_S` carrying at most `SHORT_WORDS` words; the
-  words of a segment are the text pieces timed from `WORDS_BEFORE_S` before its start to
-  `WORDS_AFTER_S` after its end.
+  words of a segment are those whose middle lies inside it, widened by the words' `Slack`
+  (heard words carry the audio's own times; the model's text runs a little ahead of its audio).
 - response latency (turns where the caller then waits): the start of the first agent segment
   that ends after the caller's speech ends and starts before the caller's next turn (or the end
   of the call), minus that speech end; short segments that began during the caller's speech do
@@ -35,8 +36,6 @@ from .vad import Segment
 
 SHORT_S = 1.0
 SHORT_WORDS = 2
-WORDS_BEFORE_S = 0.16
-WORDS_AFTER_S = 0.08
 TURN_LEAD_S = 0.1
 TURN_TAIL_S = 0.3
 MIN_PIECE_S = 0.06
@@ -67,6 +66,37 @@ class Piece:
 
     t: float
     text: str
+
+
+@dataclass(frozen=True)
+class Word:
+    """One agent word on the call's timeline: heard (a recogniser's word and times) or meant
+    (a word of the model's text stream, at its piece's time)."""
+
+    text: str
+    start: float
+    end: float
+
+    @property
+    def mid(self) -> float:
+        return (self.start + self.end) / 2
+
+
+@dataclass(frozen=True)
+class Slack:
+    """How far outside a speech segment a word's middle may lie and still belong to it."""
+
+    before: float
+    after: float
+
+
+HEARD_SLACK = Slack(0.05, 0.05)  # the recogniser's word edges vs the VAD's: tens of ms
+TEXT_SLACK = Slack(0.16, 0.08)  # a text piece comes up to two frames before its sound
+
+
+def words_of_pieces(pieces: Sequence[Piece]) -> list[Word]:
+    """The model's own words: each whitespace word of a text piece, at the piece's time."""
+    return [Word(w, p.t, p.t) for p in pieces for w in p.text.split()]
 
 
 @dataclass
@@ -129,13 +159,13 @@ def _overlap_all(a: Sequence[Segment], b: Sequence[Segment]) -> float:
     return sum(_overlap(x, y) for x in a for y in b)
 
 
-def words_in(segment: Segment, pieces: Sequence[Piece]) -> int:
-    lo, hi = segment.start - WORDS_BEFORE_S, segment.end + WORDS_AFTER_S
-    return sum(len(p.text.split()) for p in pieces if lo <= p.t <= hi)
+def words_in(segment: Segment, words: Sequence[Word], slack: Slack) -> int:
+    lo, hi = segment.start - slack.before, segment.end + slack.after
+    return sum(1 for w in words if lo <= w.mid <= hi)
 
 
-def is_short(segment: Segment, pieces: Sequence[Piece]) -> bool:
-    return segment.duration < SHORT_S and words_in(segment, pieces) <= SHORT_WORDS
+def is_short(segment: Segment, words: Sequence[Word], slack: Slack) -> bool:
+    return segment.duration < SHORT_S and words_in(segment, words, slack) <= SHORT_WORDS
 
 
 def measure(
@@ -143,8 +173,9 @@ def measure(
     pauses: Sequence[ScriptPause],
     caller: Sequence[Segment],
     agent: Sequence[Segment],
-    pieces: Sequence[Piece],
+    words: Sequence[Word],
     duration_s: float,
+    slack: Slack = HEARD_SLACK,
 ) -> CallMeasures:
     measured: list[TurnMeasures] = []
     own: list[list[Segment]] = []  # each turn's caller segments
@@ -167,7 +198,7 @@ def measure(
         next_start = measured[i + 1].start if i + 1 < len(measured) else duration_s
         started_inside = [a for a in agent if tm.start <= a.start < tm.end]
         for a in started_inside:
-            if is_short(a, pieces):
+            if is_short(a, words, slack):
                 tm.backchannels += 1
             else:
                 tm.talk_over_ms += 1000.0 * _overlap_all([a], own[i])
@@ -176,7 +207,9 @@ def measure(
             answers = [
                 a
                 for a in agent
-                if a.end > tm.end and a.start < next_start and not (a.start < tm.end and is_short(a, pieces))
+                if a.end > tm.end
+                and a.start < next_start
+                and not (a.start < tm.end and is_short(a, words, slack))
             ]
             if answers:
                 tm.response_ms = 1000.0 * (answers[0].start - tm.end)
@@ -192,7 +225,7 @@ def measure(
         start = before.end if before is not None and before.heard else pause.start
         end = after.start if after is not None and after.heard else pause.end
         start = min(start, end)
-        takers = [a for a in agent if start <= a.start < end and not is_short(a, pieces)]
+        takers = [a for a in agent if start <= a.start < end and not is_short(a, words, slack)]
         pause_measures.append(
             PauseMeasures(pause.after_turn, start, end, bool(takers), takers[0].start if takers else None)
         )
@@ -201,7 +234,7 @@ def measure(
         duration_s=duration_s,
         caller_talk_s=sum(s.duration for s in caller),
         agent_talk_s=sum(s.duration for s in agent),
-        agent_words=sum(len(p.text.split()) for p in pieces),
+        agent_words=len(words),
         overlap_ms=1000.0 * _overlap_all(caller, agent),
         talk_over_ms=sum(t.talk_over_ms for t in measured),
         backchannels=sum(t.backchannels for t in measured),

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import soundfile
 
+from .expectations import Outcome
 from .results import MEASURES, CallResult, RunSummary, ScenarioResult
 
 RESULTS_VERSION = 1
@@ -75,6 +76,7 @@ def transcript(result: CallResult) -> dict[str, Any]:
         "keys": [{"t": round(t, 3), "key": k} for t, k in trace.log.keys],
         "agent": [{"t": p.t, "text": p.text} for p in trace.pieces],
         "agent_text": result.transcript.strip(),
+        "agent_heard": _heard_json(result),
         "actions": [vars(a) for a in trace.actions],
         "ended_by": trace.ended_by,
         "error": trace.error,
@@ -98,12 +100,31 @@ def transcript_text(result: CallResult) -> str:
         last = piece.t
     if line:
         events.append((start, "agent: " + "".join(line).strip()))
+    events += _heard_lines(result)
     lines = [f"{t:7.2f}  {text}" for t, text in sorted(events, key=lambda e: e[0])]
     if trace.ended_by:
         lines.append(f"{trace.duration_s:7.2f}  call ended by {trace.ended_by}")
     if trace.error:
         lines.append(f"error: {trace.error}")
     return "\n".join(lines) + "\n"
+
+
+def _heard_lines(result: CallResult) -> list[tuple[float, str]]:
+    """The recogniser's words, grouped like the text lines: what the caller heard."""
+    out: list[tuple[float, str]] = []
+    group: list[str] = []
+    start = last = -math.inf
+    for w in result.heard or []:
+        if group and w.start - last > LINE_GAP_S:
+            out.append((start, "agent (heard): " + " ".join(group)))
+            group = []
+        if not group:
+            start = w.start
+        group.append(w.text)
+        last = w.end
+    if group:
+        out.append((start, "agent (heard): " + " ".join(group)))
+    return out
 
 
 # ---- results.json -----------------------------------------------------------------------------
@@ -159,13 +180,39 @@ def _call_json(result: CallResult) -> dict[str, Any]:
             "agent": [[s.start, s.end] for s in result.agent_segments],
         },
         "agent_text": result.transcript.strip(),
+        "agent_heard": _heard_json(result),
         "actions": [vars(a) for a in trace.actions],
-        "expectations": [
-            {"expectation": o.label, "passed": o.passed, "message": o.message} for o in result.outcomes
-        ],
+        "expectations": [_outcome_json(o) for o in result.outcomes],
+        "disagreements": [o.label for o in result.disagreements],
+        "fdb": _fdb_json(result),
         "session": {
             k: v for k, v in trace.session.items() if k in ("cache_hit", "prefill_ms", "queue_wait_ms")
         },
+    }
+
+
+def _heard_json(result: CallResult) -> dict[str, Any] | None:
+    """The recogniser's words on the agent's audio (None when the run judged the model's text)."""
+    if result.heard is None:
+        return None
+    return {"text": result.heard_text, "words": [[w.text, w.start, w.end] for w in result.heard]}
+
+
+def _outcome_json(o: Outcome) -> dict[str, Any]:
+    out: dict[str, Any] = {"expectation": o.label, "passed": o.passed, "message": o.message}
+    if o.by_text is not None:  # a words check decided on the audio: the model's text beside it
+        out.update(by_text=o.by_text, text_message=o.text_message, disagrees=o.disagrees)
+    return out
+
+
+def _fdb_json(result: CallResult) -> dict[str, Any] | None:
+    spec = result.trace.plan.scenario.fdb
+    if spec is None:
+        return None
+    return {
+        "sample": f"r{result.trace.plan.repeat + 1}/{spec.task}/{spec.id}",
+        "annotation": result.fdb_annotation,
+        "measures": result.fdb.as_json() if result.fdb is not None else None,
     }
 
 
@@ -192,6 +239,7 @@ def _scenario_json(sr: ScenarioResult) -> dict[str, Any]:
             }
             for e in sr.expectations
         ],
+        "fdb_task": sc.fdb.task if sc.fdb is not None else None,
         "aggregates": {name: {"unit": MEASURES[name][0], **values} for name, values in sr.aggregates.items()},
         "calls": [_call_json(c) for c in sr.calls],
     }

@@ -27,7 +27,7 @@ import numpy as np
 import soundfile
 
 from .outputs import stereo, transcript_text
-from .results import MEASURES, CallResult, RunSummary, ScenarioResult
+from .results import FDB_MEASURES, MEASURES, CallResult, RunSummary, ScenarioResult
 from .scenario import Scenario
 
 EMBED_AUDIO_BYTES = 48 * 1024 * 1024
@@ -171,11 +171,18 @@ def timeline_svg(result: CallResult) -> str:
             f'<text class="turn-text" x="{_x(turn.start, d):.1f}" y="{CALLER_Y - LANE_H / 2 - 3:.1f}">'
             f"{turn.number}: {_e(label)}<title>{_e(turn.text)}</title></text>"
         )
-    for i, piece in enumerate(trace.pieces):
-        y = WORD_Y - 14 + (i % WORD_ROWS) * 11
+    # Words heard in the agent's audio (the recogniser) above, the model's own text below.
+    for i, word in enumerate(result.heard or []):
+        y = WORD_Y - 22 + (i % 2) * 10
         parts.append(
-            f'<text class="word" x="{_x(piece.t, d):.1f}" y="{y}">{_e(piece.text.strip())}'
-            f"<title>{piece.t:.2f} s: {_e(piece.text)}</title></text>"
+            f'<text class="word heard" x="{_x(word.start, d):.1f}" y="{y}">{_e(word.text)}'
+            f"<title>heard {word.start:.2f}-{word.end:.2f} s: {_e(word.text)}</title></text>"
+        )
+    for i, piece in enumerate(trace.pieces):
+        y = WORD_Y + (0 if result.heard is None else 4) - 14 + (i % WORD_ROWS) * 11
+        parts.append(
+            f'<text class="word meant" x="{_x(piece.t, d):.1f}" y="{y}">{_e(piece.text.strip())}'
+            f"<title>model's text {piece.t:.2f} s: {_e(piece.text)}</title></text>"
         )
     parts.extend(_markers(result, d, limits))
     parts.append(
@@ -261,10 +268,13 @@ def _state(passed: bool) -> str:
     return "pass" if passed else "fail"
 
 
+_DECIMALS = {"ms": 0, "s": 2, "rate": 3, "/s": 3}  # rates as FDB prints them
+
+
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "–"
-    return f"{value:.0f}" if unit == "ms" else (f"{value:.2f}" if unit == "s" else f"{value:.1f}")
+    return f"{value:.{_DECIMALS.get(unit, 1)}f}"
 
 
 def _summary_row(sr: ScenarioResult) -> str:
@@ -311,6 +321,8 @@ def _scenario_section(sr: ScenarioResult) -> str:
     )
     for name, (unit, what) in MEASURES.items():
         a = sr.aggregates[name]
+        if name in FDB_MEASURES and not a["n"]:
+            continue  # FDB's measures: only for scenarios that are its samples
         parts.append(
             f"<tr><td>{_e(what)}{f' ({unit})' if unit else ''}</td>"
             + "".join(f"<td class=num>{_fmt(a[k], unit)}</td>" for k in ("mean", "p90", "min", "max"))
@@ -337,7 +349,13 @@ def _call_block(call: CallResult) -> str:
     if trace.ended_by:
         head += f'<p class="muted">call ended by {_e(trace.ended_by)}</p>'
     outcomes = "".join(
-        f'<li class="{"pass" if o.passed else "fail"}">{_e(o.label)}: {_e(o.message)}</li>'
+        f'<li class="{"pass" if o.passed else "fail"}">{_e(o.label)}: {_e(o.message)}'
+        + (
+            f' <span class="muted">(on the model\'s text: {_state(o.by_text)})</span>'
+            if o.by_text is not None
+            else ""
+        )
+        + "</li>"
         for o in call.outcomes
     )
     src = call.media.audio_src if call.media is not None else call.files.get("wav", "")
@@ -347,10 +365,46 @@ def _call_block(call: CallResult) -> str:
         head
         + timeline_svg(call)
         + audio
+        + _words_block(call)
+        + _fdb_block(call)
         + (f'<ul class="outcomes">{outcomes}</ul>' if outcomes else "")
         + f"<details><summary>transcript</summary><pre>{_e(transcript_text(call))}</pre></details>"
         + (f'<p class="muted">{files}</p>' if files else "")
         + "</div>"
+    )
+
+
+def _words_block(call: CallResult) -> str:
+    """What the agent said, twice: heard in its audio (what decides) and its own text stream;
+    then each words check the two decide differently."""
+    text = call.transcript.strip() or "(nothing)"
+    if call.heard is None:
+        return f'<p class="text-words"><b>model\'s text</b> {_e(text)}</p>'
+    parts = [
+        f'<div class="words"><p class="heard-words"><b>heard</b> {_e(call.heard_text or "(nothing)")}</p>',
+        f'<p class="text-words"><b>model\'s text</b> {_e(text)}</p>',
+    ]
+    for o in call.disagreements:
+        parts.append(
+            f'<p class="disagree">audio and text disagree on {_e(o.label)}: heard → {_state(o.passed)}, '
+            f"text → {_state(bool(o.by_text))} ({_e(o.text_message)})</p>"
+        )
+    return "".join(parts) + "</div>"
+
+
+def _fdb_block(call: CallResult) -> str:
+    spec = call.trace.plan.scenario.fdb
+    if spec is None or call.fdb is None:
+        return ""
+    f = call.fdb
+    values = [f"TOR {f.tor}"]
+    if f.latency_s is not None:
+        values.append(f"latency {f.latency_s:.3f} s")
+    if f.frequency is not None:
+        values.append(f"backchannels {f.backchannels} ({f.frequency:.3f}/s)")
+    return (
+        f'<p class="fdb">Full-Duplex-Bench sample r{call.trace.plan.repeat + 1}/{_e(spec.task)}/{spec.id}: '
+        f"{_e(', '.join(values))} <span class=muted>(FDB's rules, words heard here)</span></p>"
     )
 
 

@@ -33,9 +33,10 @@ the line (docs/eval.md has the format in full).
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,11 @@ from personaplex_voice.audio.io import read_audio
 from personaplex_voice.engine.base import SAMPLE_RATE, PersonaError
 from personaplex_voice.errors import UserError
 
-from . import phone
+from . import fdb_spec, phone
 from .lines import LINES
+from .steps import BargeIn, CallerVoice, Dtmf, Pause, Say, Silence, Step, Wav, waits_for_answer
 from .yaml_source import Located, LocatedList, ScenarioError, load
 
-FDB_TASKS = ("smooth_turn_taking", "pause_handling", "user_interruption", "backchannel")
 DTMF_KEYS = frozenset("0123456789*#ABCD")
 NO_ACTION = "none"
 MAX_STEP_S = 600.0  # one silence, pause or wav
@@ -68,9 +69,9 @@ _SCENARIO_KEYS = (
     "script",
     "expect",
     "pass_rate",
-    "fdb_task",
+    "fdb",
 )
-_DEFAULT_KEYS = tuple(k for k in _SCENARIO_KEYS if k not in ("name", "script", "description"))
+_DEFAULT_KEYS = tuple(k for k in _SCENARIO_KEYS if k not in ("name", "script", "description", "fdb"))
 _STEP_KEYS = ("say", "wav", "silence", "pause", "barge_in", "dtmf")
 _SAY_KEYS = ("text", "voice", "rate", "pitch")
 _BARGE_KEYS = ("after_agent_speech_ms", "say", "wav", "max_wait", "voice", "rate", "pitch")
@@ -84,61 +85,6 @@ _EXPECT_KEYS = (
     "max_pause_takeovers",
     "action",
 )
-
-
-@dataclass(frozen=True)
-class CallerVoice:
-    """How espeak-ng speaks the caller's `say` lines."""
-
-    voice: str = "en-us"
-    rate: int = 165  # words per minute
-    pitch: int = 50  # 0-99
-
-
-@dataclass(frozen=True)
-class Say:
-    text: str
-    voice: CallerVoice
-    where: str
-
-
-@dataclass(frozen=True)
-class Wav:
-    path: Path
-    where: str
-
-
-@dataclass(frozen=True)
-class Silence:
-    seconds: float
-    where: str
-
-
-@dataclass(frozen=True)
-class Pause:
-    """Silence inside the caller's turn: the agent should not take the floor."""
-
-    seconds: float
-    where: str
-
-
-@dataclass(frozen=True)
-class BargeIn:
-    """Wait until the agent has spoken for `after_agent_speech_ms`, then talk over it."""
-
-    after_agent_speech_ms: int
-    speech: Say | Wav
-    max_wait_s: float
-    where: str
-
-
-@dataclass(frozen=True)
-class Dtmf:
-    keys: str
-    where: str
-
-
-Step = Say | Wav | Silence | Pause | BargeIn | Dtmf
 
 
 @dataclass(frozen=True)
@@ -172,7 +118,7 @@ class Scenario:
     variables: Mapping[str, str] = field(default_factory=dict)
     seed: int | None = None
     pass_rate: float = 1.0
-    fdb_task: str | None = None
+    fdb: fdb_spec.FdbSpec | None = None  # a Full-Duplex-Bench sample (one event), see fdb_spec
     description: str = ""
     persona_where: str = ""  # where the persona was given (the engine's refusals point there)
 
@@ -201,7 +147,29 @@ def load_scenarios(paths: Sequence[Path]) -> list[Scenario]:
                 )
             seen[scenario.name] = scenario.where
             scenarios.append(scenario)
-    return scenarios
+    return _number_fdb_samples(scenarios)
+
+
+def _number_fdb_samples(scenarios: list[Scenario]) -> list[Scenario]:
+    """Every fdb sample gets its id: the one given (unique within its task), else the next free
+    number in file order, so a sample keeps its folder name from run to run."""
+    taken: dict[tuple[str, int], str] = {}
+    for sc in scenarios:
+        if sc.fdb is not None and sc.fdb.id is not None:
+            key = (sc.fdb.task, sc.fdb.id)
+            if key in taken:
+                raise ScenarioError(
+                    sc.fdb.where, f"fdb {sc.fdb.task} id {sc.fdb.id} is already used at {taken[key]}"
+                )
+            taken[key] = sc.fdb.where
+    out = []
+    for sc in scenarios:
+        if sc.fdb is not None and sc.fdb.id is None:
+            free = next(i for i in itertools.count() if (sc.fdb.task, i) not in taken)
+            taken[(sc.fdb.task, free)] = sc.fdb.where
+            sc = replace(sc, fdb=replace(sc.fdb, id=free))
+        out.append(sc)
+    return out
 
 
 def _load_file(path: Path) -> list[Scenario]:
@@ -234,8 +202,13 @@ def _load_file(path: Path) -> list[Scenario]:
     return out
 
 
+_RENAMED = {"fdb_task": "fdb_task is now `fdb: <task>` (or `fdb: {task, id, sample}`), see docs/eval.md"}
+
+
 def _check_keys(mapping: Located, allowed: Sequence[str], what: str) -> None:
     for key in mapping:
+        if key in _RENAMED and key not in allowed:
+            raise ScenarioError(mapping.where(key), _RENAMED[key])
         if key not in allowed:
             hint = difflib.get_close_matches(str(key), allowed, n=1)
             more = f" (did you mean {hint[0]!r}?)" if hint else f" (allowed: {', '.join(allowed)})"
@@ -279,17 +252,30 @@ def _scenario(path: Path, item: Located, defaults: Located, book: phone.PersonaB
         raise ScenarioError(seed_where or where, "seed must be a whole number >= 0")
 
     voice = _caller(item, defaults)
-    script = _script(path, item, voice, where)
+    fdb = None
+    if "fdb_task" in item or "fdb_task" in defaults:
+        at = item.where("fdb_task") if "fdb_task" in item else defaults.where("fdb_task")
+        raise ScenarioError(
+            at, "fdb_task is now `fdb: <task>` (or `fdb: {task, id, sample}`), see docs/eval.md"
+        )
+    if "fdb" in item:
+        fdb = fdb_spec.parse(item["fdb"], item.where("fdb"), path.parent)
+    if fdb is not None and fdb.sample is not None:
+        if "script" in item:
+            raise ScenarioError(
+                item.where("script"), "an fdb sample's script is its input.wav: give sample or script"
+            )
+        script: tuple[Step, ...] = (_wav(path, str(fdb.sample / "input.wav"), fdb.where),)
+    else:
+        script = _script(path, item, voice, where)
+        if fdb is not None:
+            fdb_spec.check_script(fdb, script)
 
     pass_rate, rate_where = _pick(item, defaults, "pass_rate")
     if pass_rate is None:
         pass_rate = 1.0
     elif not _number(pass_rate) or not 0 < pass_rate <= 1:
         raise ScenarioError(rate_where or where, "pass_rate must be a number in (0, 1]")
-
-    fdb_task, fdb_where = _pick(item, defaults, "fdb_task")
-    if fdb_task is not None and fdb_task not in FDB_TASKS:
-        raise ScenarioError(fdb_where or where, f"fdb_task must be one of {', '.join(FDB_TASKS)}")
 
     expectations = _expectations(item, defaults, where)
     _check_expectations_fit(expectations, script, spec, persona_name)
@@ -305,7 +291,7 @@ def _scenario(path: Path, item: Located, defaults: Located, book: phone.PersonaB
         variables=variables,
         seed=seed,
         pass_rate=float(pass_rate),
-        fdb_task=fdb_task,
+        fdb=fdb,
         description=description,
         persona_where=persona_where,
     )
@@ -596,21 +582,3 @@ def _check_expectations_fit(
                 raise ScenarioError(
                     exp.where, f"persona {persona!r} has no rule that can {missing[0]} (it has: {have})"
                 )
-
-
-def speech_of(step: Step) -> Say | Wav | None:
-    """The caller speech a step plays (a barge-in's included), None for the others."""
-    if isinstance(step, Say | Wav):
-        return step
-    if isinstance(step, BargeIn):
-        return step.speech
-    return None
-
-
-def waits_for_answer(script: Sequence[Step], index: int) -> bool:
-    """Whether the caller speech of step `index` ends a turn: the caller then waits (silence,
-    keys, a barge-in's wait, or the end of the script) rather than pausing or going on."""
-    if speech_of(script[index]) is None:
-        return False
-    following = script[index + 1] if index + 1 < len(script) else None
-    return following is None or isinstance(following, Silence | Dtmf | BargeIn)

@@ -16,8 +16,8 @@ import numpy as np
 from personaplex_voice.engine.base import FRAME_SIZE, SAMPLE_RATE
 
 from .measures import ScriptPause, ScriptTurn
-from .scenario import BargeIn, Dtmf, Pause, Say, Silence, Step, Wav, speech_of, waits_for_answer
 from .speech import ClipBook
+from .steps import BargeIn, Dtmf, Pause, Say, Silence, Step, Wav, speech_of, waits_for_answer
 
 KEY_S = 0.2  # one key press on the line (100 ms tone and 100 ms gap, as phones dial)
 

@@ -21,7 +21,8 @@ from personaplex_voice.audio.resample import resample
 from personaplex_voice.engine.base import SAMPLE_RATE
 from personaplex_voice.errors import UserError
 
-from .scenario import CallerVoice, Say, Scenario, Wav, speech_of
+from .scenario import Scenario
+from .steps import CallerVoice, Say, Wav, speech_of
 from .vad import BLOCK_S, REFINE_DROP_DB
 from .yaml_source import ScenarioError
 

@@ -4,7 +4,8 @@
 `base + r`, the base being the scenario's `seed`, else its persona's, else `--seed`). `run_suite`
 runs them (in process through one batched `SessionManager`, or against `--url`), and as calls
 finish, in batches, measures them (`results.analyze`, a worker thread: the VAD batches across
-calls), writes each call's files (and its Full-Duplex-Bench sample) and keeps only the results:
+calls, the recogniser hears each agent), writes each call's files (and its Full-Duplex-Bench
+sample) and keeps only the results:
 the audio of a finished call is not held for the rest of the run. Then the aggregates,
 `results.json`, `junit.xml` and `report.html`.
 """
@@ -26,11 +27,13 @@ from .junit import write_junit
 from .lines import get_line
 from .outputs import write_call_files, write_results
 from .progress import Progress
+from .recognizer import Recognizer
 from .report import AudioBudget, prepare_media, write_report
 from .results import CallResult, RunSummary, aggregate, analyze
 from .scenario import Scenario
 from .speech import ClipBook
 
+WORD_SOURCES = ("heard", "text")
 ANALYSIS_BATCH = 16  # calls measured together (32 VAD streams in one batch)
 
 
@@ -62,6 +65,7 @@ class _Finisher:
     out: Path
     fdb: FdbWriter | None
     progress: Progress
+    recognizer: Recognizer | None
     results: list[CallResult] = field(default_factory=list)
     pending: list[CallTrace] = field(default_factory=list)
     budget: AudioBudget = field(default_factory=AudioBudget)
@@ -80,7 +84,7 @@ class _Finisher:
                 self.results.extend(await asyncio.to_thread(self._finish, batch))
 
     def _finish(self, batch: list[CallTrace]) -> list[CallResult]:
-        results = analyze(batch)
+        results = analyze(batch, self.recognizer)
         for result in results:
             write_call_files(self.out, result)
             if self.fdb is not None:
@@ -103,13 +107,19 @@ async def run_suite(
     fdb_dir: Path | None = None,
     progress: Progress | None = None,
     run_info: dict[str, Any] | None = None,
+    words: str = "heard",
 ) -> tuple[RunSummary, list[CallTrace]]:
-    """Run every plan, write every output; (summary, the calls' traces in plan order)."""
+    """Run every plan, write every output; (summary, the calls' traces in plan order).
+    `words`: "heard" (the recogniser decides the word checks and counts) or "text" (the
+    model's own text stream does, as before the recogniser; nothing is decoded)."""
     if (engine is None) == (url is None):
         raise ValueError("run_suite needs an engine or a url")
+    if words not in WORD_SOURCES:
+        raise ValueError(f"words must be one of {WORD_SOURCES}")
     out.mkdir(parents=True, exist_ok=True)
     progress = progress or Progress(len(plans), enabled=False)
-    finisher = _Finisher(out, FdbWriter(fdb_dir) if fdb_dir is not None else None, progress)
+    recognizer = Recognizer() if words == "heard" else None
+    finisher = _Finisher(out, FdbWriter(fdb_dir) if fdb_dir is not None else None, progress, recognizer)
     try:
         if engine is not None:
             from .runner import run_batched
@@ -138,9 +148,14 @@ async def run_suite(
     by_scenario: dict[str, list[CallResult]] = {s.name: [] for s in scenarios}
     for result in finisher.results:
         by_scenario[result.trace.plan.scenario.name].append(result)
+    hearing = {"words": words}
+    if recognizer is not None:
+        hearing.update(
+            recognizer_s=round(recognizer.seconds, 3), recognized_audio_s=round(recognizer.audio_s, 3)
+        )
     summary = RunSummary(
         scenarios=[aggregate(s, by_scenario[s.name]) for s in scenarios if by_scenario[s.name]],
-        run={**(run_info or {}), **stats},
+        run={**(run_info or {}), **stats, **hearing},
     )
     write_results(out, summary)
     write_junit(out, summary)

@@ -8,7 +8,8 @@ of silence; segments shorter than `MIN_SPEECH` are dropped. silero's boundaries 
 and its probability lags the sound (by 50-100 ms on synthetic speech, more on a weak final
 consonant), so each boundary is then moved to where the sound itself starts or stops, in 10 ms
 blocks: a block *sounds* when its level is within `REFINE_DROP_DB` of the segment's loud blocks
-(their 95th percentile, and above `FLOOR_DB`); from the first and last sounding blocks inside the
+(their 95th percentile), `ABOVE_NOISE_DB` above the signal's background (`noise_floor`) and
+above `FLOOR_DB`; from the first and last sounding blocks inside the
 segment the boundaries follow sounding blocks outwards while they are less than `MIN_SILENCE`
 apart (up to `REFINE` beyond the VAD's boundary), and the segment is split wherever its sounding
 blocks are `MIN_SILENCE` or more apart (silero's lag can bridge a short pause). The VAD decides
@@ -36,6 +37,9 @@ REFINE_S = 0.3
 BLOCK_S = 0.01
 REFINE_DROP_DB = 30.0
 FLOOR_DB = -60.0  # blocks quieter than this are never speech
+ABOVE_NOISE_DB = 3.0  # a sounding block stands this far above the top of the background
+NOISE_MIN_S = 0.5  # of non-speech needed to measure the background
+HIGH_BAND_HZ = 2000.0
 
 _model_lock = threading.Lock()
 _shared_model = None
@@ -132,19 +136,33 @@ def refine(segments: list[Segment], signal: np.ndarray) -> list[Segment]:
     n_blocks = len(signal) // block
     if n_blocks == 0 or not segments:
         return segments
-    power = np.mean(signal[: n_blocks * block].reshape(n_blocks, block).astype(np.float64) ** 2, axis=1)
-    level = 10 * np.log10(power + 1e-12)
+    blocks = signal[: n_blocks * block].reshape(n_blocks, block).astype(np.float64)
+    spectrum = np.abs(np.fft.rfft(blocks, axis=1)) ** 2
+    high_from = round(HIGH_BAND_HZ * block / VAD_RATE)
+    bands = [  # the whole band, and the high band where fricatives stand out of a line's hum and rumble
+        10 * np.log10(spectrum.sum(axis=1) / block**2 + 1e-12),
+        10 * np.log10(spectrum[:, high_from:].sum(axis=1) / block**2 + 1e-12),
+    ]
     reach = round(REFINE_S / BLOCK_S)
     gap = round(MIN_SILENCE_S / BLOCK_S)  # quieter blocks than this many in a row end a segment
+    floors = [noise_floor(level, segments) for level in bands]
     out: list[Segment] = []
     for seg in segments:
         a, b = int(seg.start / BLOCK_S), min(n_blocks, int(np.ceil(seg.end / BLOCK_S)))
         if b <= a:
             continue
-        threshold = max(float(np.percentile(level[a:b], 95)) - REFINE_DROP_DB, FLOOR_DB)
         low = max(0, a - reach, round(out[-1].end / BLOCK_S) if out else 0)
         high = min(n_blocks, b + reach)
-        voiced = np.flatnonzero(level[low:high] >= threshold) + low
+        sounds = np.zeros(high - low, bool)
+        for level, floor in zip(bands, floors, strict=True):
+            loud = float(np.percentile(level[a:b], 95))
+            threshold = max(loud - REFINE_DROP_DB, floor + ABOVE_NOISE_DB, FLOOR_DB)
+            sounds |= level[low:high] >= threshold
+        # A lone 10 ms block is a blip of the line's noise, not speech: sound lasts two blocks.
+        paired = sounds.copy()
+        paired[1:] &= sounds[:-1] | np.append(sounds[2:], False)
+        paired[0] &= len(sounds) > 1 and bool(sounds[1])
+        voiced = np.flatnonzero(paired) + low
         inside = np.flatnonzero((voiced >= a) & (voiced < b))
         if inside.size == 0:
             continue  # nothing in it stands out from its surroundings
@@ -161,6 +179,19 @@ def refine(segments: list[Segment], signal: np.ndarray) -> list[Segment]:
             if (s1 - s0) * BLOCK_S >= MIN_SPEECH_S:
                 out.append(Segment(round(s0 * BLOCK_S, 3), round(s1 * BLOCK_S, 3)))
     return _merge(out)
+
+
+def noise_floor(level: np.ndarray, segments: list[Segment]) -> float:
+    """The top of the signal's background (dB): the 95th percentile 10 ms block outside the VAD's
+    speech, when there is at least `NOISE_MIN_S` of it, else the 5th percentile block of all.
+    Refined boundaries stay `ABOVE_NOISE_DB` above it, so a noisy line does not stretch speech
+    into its noise."""
+    quiet = np.ones(len(level), bool)
+    for seg in segments:
+        quiet[max(0, int(seg.start / BLOCK_S) - 5) : int(np.ceil(seg.end / BLOCK_S)) + 5] = False
+    if quiet.sum() * BLOCK_S >= NOISE_MIN_S:
+        return float(np.percentile(level[quiet], 95))
+    return float(np.percentile(level, 5)) if len(level) else FLOOR_DB
 
 
 def _merge(segments: list[Segment]) -> list[Segment]:
@@ -221,3 +252,15 @@ class SpeechClock:
         if self._start is None or self._quiet_from is not None:
             return 0.0
         return (self._windows - self._start) * WINDOW_S * 1000.0
+
+
+def fdb_segments(probs: np.ndarray, n_samples: int) -> list[Segment]:
+    """Speech as Full-Duplex-Bench's backchannel scorer finds it: silero-vad's own
+    `get_speech_timestamps` rule with its default settings, in seconds at its 0.1 s resolution,
+    from the same window probabilities `detect` uses."""
+    from silero_vad.utils_vad import get_speech_timestamps_from_probs
+
+    found = get_speech_timestamps_from_probs(
+        [float(p) for p in probs], sampling_rate=VAD_RATE, return_seconds=True, audio_length_samples=n_samples
+    )
+    return [Segment(float(s["start"]), float(s["end"])) for s in found]
