@@ -731,8 +731,11 @@ def missing_serving_packages() -> list[str]:
             importlib.import_module(name)
         except Exception:
             missing.append(name)
-    from personaplex_voice.audio.opus_library import OpusUnavailableError, require_opus
-
+    try:
+        from personaplex_voice.audio.opus_library import OpusUnavailableError, require_opus
+    except ImportError as exc:  # the audio package itself needs one of the above (soxr)
+        missing.append(f"opuslib/libopus (not checked: {exc})")
+        return missing
     try:
         require_opus()  # $PERSONAPLEX_LIBOPUS, <prefix>/lib/personaplex-voice/, the system's
     except OpusUnavailableError as exc:

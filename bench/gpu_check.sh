@@ -71,14 +71,18 @@ fi
 DEPS="numpy=numpy sentencepiece=sentencepiece safetensors=safetensors typer=typer tqdm=tqdm \
 prometheus_client=prometheus-client \
 fastapi=fastapi pydantic=pydantic pydantic_settings=pydantic-settings uvicorn=uvicorn \
-httptools=httptools websockets=websockets soxr=soxr opuslib=opuslib"
-missing() {  # the packages $1 cannot import, and libopus when the project's loader finds none
-    local py="$1" out=""
+httptools=httptools websockets=websockets soxr=soxr"
+missing() {  # the packages $1 cannot import, and opuslib / libopus as the project's loader sees them
+    local py="$1" out="" why
     for pair in $DEPS; do
         "$py" -c "import ${pair%%=*}" 2>/dev/null || out="$out ${pair#*=}"
     done
-    PYTHONPATH="$PWD" "$py" -c "from personaplex_voice.audio.opus_library import require_opus; require_opus()" \
-        >/dev/null 2>&1 || out="$out libopus"
+    # never `import opuslib` directly: it looks for a system libopus only, where the bundle's is
+    # found by the project's loader alone (personaplex_voice/audio/opus_library.py)
+    "$py" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('opuslib') else 1)" \
+        2>/dev/null || out="$out opuslib"
+    why=$(PYTHONPATH="$PWD" "$py" -c "from personaplex_voice.audio.opus_library import require_opus; require_opus()" 2>&1) ||
+        case "$why" in *"package opuslib"*) ;; *) out="$out libopus" ;; esac
     echo "$out"
 }
 # .venv-gpu over $1: it sees exactly the site-packages $1 sees (the host's torch among them,

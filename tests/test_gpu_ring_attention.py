@@ -169,3 +169,58 @@ def test_fused_kernels_match_their_references() -> None:
     proc = run_interpreted(KERNEL_CHECK)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "lengths ok" in proc.stdout, proc.stdout
+
+
+# ------------------------------------------------------------------ what runs, and every fallback
+
+
+def test_an_engine_never_inherits_kernels_from_one_sharing_its_model(golden_dir) -> None:
+    """bench/gpu_check builds one engine after another over one model: what a warm-up turned on
+    for the previous engine (an fp8 row's decode kernel) must not run, or be reported, in the
+    next (a bf16 or int8 row)."""
+    from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
+    from personaplex_voice.model import fused_ops
+
+    first = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=1)
+    fused_ops.set_fused_ops(first.lm, fused_ops.FUSED_OPS)  # as a GPU warm-up would
+    first.lm.transformer.sdpa_decode = ("flash",)
+    assert fused_ops.fused_ops_in_use(first.lm) == list(fused_ops.FUSED_OPS)
+    second = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=1, models=(first.mimi, first.lm))
+    assert fused_ops.fused_ops_in_use(second.lm) == [] and second.lm.transformer.sdpa_decode is None
+    assert not any(layer.self_attn.ring_kernel for layer in second.lm.transformer.layers)
+    second.warmup()
+    assert second.tuning.report["fused_ops"] == [] and second.fallbacks == []
+    assert second.tuning.report["kv_read"].startswith("filled prefix")
+
+
+def test_every_kernel_that_fails_or_disagrees_is_a_fallback_with_its_reason(golden_dir, monkeypatch) -> None:
+    """The warm-up's policy, with the GPU's answers injected: a kernel that raises, one off by
+    more than the tolerance, `_int_mm` not usable: each keeps its reference and is listed in
+    `fallbacks` with why; the ones that pass run (and the report says which)."""
+    from personaplex_voice.engine import gpu_tuning
+    from personaplex_voice.engine.generator import PersonaPlexEngine, golden_like_files
+    from personaplex_voice.model import fused_ops
+
+    engine = PersonaPlexEngine(golden_like_files(golden_dir), num_slots=2, quantize="int8")
+    answers = {"norm": 1e-3, "silu_mul": RuntimeError("PTX too new for this driver"), "rope_write": 0.5}
+
+    def check(op, device, dtype, shape):
+        answer = answers.get(op, 1e-4)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(gpu_tuning.triton_kernels, "available", lambda device: True)
+    monkeypatch.setattr(gpu_tuning.fused_checks, "self_check", check)
+    monkeypatch.setattr(gpu_tuning, "int_mm_usable", lambda device: False)
+    monkeypatch.setattr(gpu_tuning, "int_mm_failure", lambda device: "torch._int_mm failed: no kernel")
+    tuning = engine.tuning
+    tuning._int8(engine.lm, torch.device("cpu"))
+    tuning._fused(engine.lm, engine.lm_state, torch.device("cpu"))
+    used = fused_ops.fused_ops_in_use(engine.lm)
+    assert used == ["norm", "ring_attention", "step_attention"]
+    why = {entry["what"]: entry["reason"] for entry in tuning.fallbacks}
+    assert "PTX too new" in why["fused silu_mul"] and "off by 0.5" in why["fused rope_write"]
+    assert "no kernel" in why["int8 matmul (torch._int_mm)"] and len(why) == 3
+    assert tuning.report["int8_matmul"] == "dequantise"
+    assert not any(g.fused for layer in engine.lm.transformer.layers for g in [layer.gating])

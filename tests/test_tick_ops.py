@@ -8,8 +8,9 @@ import pytest
 from personaplex_voice.engine.tick_ops import SOURCES, tick_ops
 from personaplex_voice.model.config import ModelConfig
 
-# What the tick ran before issue 28 by the same count: ~5,900 operations (the reference path
-# below is what a GPU whose fused kernels all failed their checks would still run).
+# The code before ran 6,468 operations a tick by the same count (bench/tick_profile.py's
+# `before`); the reference path below is what a GPU whose fused kernels all failed their checks
+# still runs.
 OPS_PER_TICK_GOAL = 2000
 
 

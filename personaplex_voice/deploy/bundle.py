@@ -75,13 +75,16 @@ class Profile:
 GPU_IMAGE_PROVIDES = (
     "numpy", "safetensors", "sentencepiece", "huggingface-hub", "typer", "tqdm", "prometheus-client",
 )  # fmt: skip
+GPU_CHECK_PACKAGES = (
+    "fastapi", "pydantic", "pydantic-settings", "uvicorn", "httptools", "websockets", "soxr", "opuslib",
+)  # fmt: skip
 PROFILES = {
     "full": Profile("full", "every runtime dependency (and the extras asked for): serve anything"),
     "gpu": Profile(
         "gpu",
         "what bench/gpu_check.sh needs on a CUDA torch image that lacks the serving stack: "
         "fastapi, uvicorn (httptools), pydantic, websockets, soxr, opuslib, libopus",
-        packages=("fastapi", "pydantic", "pydantic-settings", "uvicorn", "httptools", "websockets", "soxr", "opuslib"),
+        packages=GPU_CHECK_PACKAGES,
         host_provides=GPU_IMAGE_PROVIDES,
     ),
 }
@@ -422,7 +425,8 @@ def build_bundle(
         manifest["verified"] = len(resolved)
     size = sum(f.stat().st_size for f in files) / 2**20
     count = len(list(wheels.glob("*.whl")))
-    log(f"bundle ready: {out} ({count} wheels, {size:.1f} MiB, profile {chosen.name}) for {target.describe()}")
+    log(f"bundle ready: {out} ({count} wheels, {size:.1f} MiB, profile {chosen.name})")
+    log(f"for {target.describe()}")
     return manifest
 
 
@@ -476,7 +480,8 @@ def verify_bundle(bundle: Path, *, log: Log = _stderr) -> list[str]:
             cmd += [*fixed, *manifest.get("host_provides", [])]
         else:
             cmd.append(manifest["requirement"])
-        log(f"resolving {manifest['requirement']} ({manifest.get('profile', 'full')}) offline for {target.describe()}")
+        profile = manifest.get("profile", "full")
+        log(f"resolving {manifest['requirement']} ({profile} profile) offline for {target.describe()}")
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, check=False
         )

@@ -263,7 +263,8 @@ class PersonaPlexEngine:
         """Whether the tick runs as a captured CUDA graph, and what the capture took (the capped
         widths' graph; `wide_*`: the full vocabularies' one)."""
         if not self._graphs or not self._graphs[False].enabled:
-            return {"mode": "eager", **CaptureInfo().as_dict()}
+            none = CaptureInfo().as_dict()
+            return {"mode": "eager", **none, **{f"wide_{k}": v for k, v in none.items()}}
         wide = {f"wide_{k}": v for k, v in self._graphs[True].info.as_dict().items()}
         return {"mode": "cuda_graph", **self._graphs[False].info.as_dict(), **wide}
 

@@ -22,6 +22,7 @@ Mimi's transformer rings (float32, read whole). For int8 weights it gives both t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,29 @@ class TickTraffic:
         return 1000 * self.total_before / bytes_per_s
 
 
+_WEIGHT_COUNTS: dict[str, tuple[int, int, int]] = {}
+
+
+def _weight_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(elements of the LM's linear weights, their rows, Mimi's bytes), from a meta build (made
+    once per config: building the 7B, even on meta, takes a few seconds)."""
+    key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    counts = _WEIGHT_COUNTS.get(key)
+    if counts is None:
+        with torch.device("meta"):
+            lm = LMModel(cfg.lm).to(torch.bfloat16)
+            mimi = Mimi(cfg)
+        state = lm.state_dict()
+        names = quantizable_weights(lm)
+        counts = (
+            sum(state[name].numel() for name in names),
+            sum(state[name].shape[0] for name in names),
+            _nbytes(mimi.state_dict()),
+        )
+        _WEIGHT_COUNTS[key] = counts
+    return counts
+
+
 def kv_bytes_per_position(cfg: ModelConfig, kv_dtype: torch.dtype | None = None) -> int:
     """One position of one slot's LM KV cache, all layers, keys and values."""
     element = torch.empty(0, dtype=kv_dtype or torch.bfloat16).element_size()
@@ -163,13 +187,7 @@ def tick_traffic(
 ) -> TickTraffic:
     """The bytes of one tick with `slots` slots, `active` of them in a call (default all) whose
     LM rings hold `filled` positions each (default: full, the context)."""
-    with torch.device("meta"):
-        lm = LMModel(cfg.lm).to(torch.bfloat16)
-        mimi = Mimi(cfg)
-    state = lm.state_dict()
-    linear = sum(state[name].numel() for name in quantizable_weights(lm))
-    rows = sum(state[name].shape[0] for name in quantizable_weights(lm))
-    mimi_bytes = _nbytes(mimi.state_dict())
+    linear, rows, mimi_bytes = _weight_counts(cfg)
     if quantize == "int8":
         weights = linear + 2 * rows + mimi_bytes
         weights_old = linear * (1 + 2 + 2) + 2 * rows + mimi_bytes
