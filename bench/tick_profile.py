@@ -9,7 +9,8 @@ Prints ONE JSON object:
   views excluded, SDPA as the one kernel it is on a GPU) for `--shape` at `--slots`, by source
   (attention, MLP, norm, depformer, sampling, codec, ...): `after` as a GPU runs it (the fused
   kernels on), `after_reference` (a GPU whose fused kernels all failed their checks, or the
-  CPU), and `before` the same count on the code at `--before` (a git revision, run from a
+  CPU), `after_fp8_kv` (an fp8 KV cache: its writes take the reference path), and `before` the
+  same count on the code at `--before` (a git revision, run from a
   `git archive` of it in a subprocess: the very same counting module, the old engine);
 - `bytes`: bytes per tick by kind (weights, the LM's KV cache, Mimi's KV, activations written)
   as a function of the filled positions and the active slots, now (the length-aware decode) and
@@ -76,8 +77,8 @@ def config_of(shape: str) -> Any:
     return ModelConfig.from_json(Path(shape) / "config.json")
 
 
-def count(shape: str, slots: int, fused: bool) -> dict[str, Any]:
-    ops = tick_ops_module().tick_ops(config_of(shape), slots, fused=fused)
+def count(shape: str, slots: int, fused: bool, kv_dtype: Any = None) -> dict[str, Any]:
+    ops = tick_ops_module().tick_ops(config_of(shape), slots, fused=fused, kv_dtype=kv_dtype)
     return ops.as_dict()
 
 
@@ -278,12 +279,15 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    import torch
+
     after = count(args.shape, args.slots, fused=True)
     reference = count(args.shape, args.slots, fused=False)
+    fp8 = count(args.shape, args.slots, fused=True, kv_dtype=torch.float8_e4m3fn)
     result: dict[str, Any] = {
         "shape": args.shape,
         "slots": args.slots,
-        "ops": {"after": after, "after_reference": reference, "before": None},
+        "ops": {"after": after, "after_reference": reference, "after_fp8_kv": fp8, "before": None},
     }
     result["cpu_tick_ms"] = {"model": args.cpu_model, "after": None, "before": None}
     with tempfile.TemporaryDirectory(prefix="tick_profile-") as tmp:

@@ -225,7 +225,9 @@ class StreamingAttention(StreamingModule):
         # The KV cache's dtype when it differs from the compute dtype (fp8 for low VRAM); None =
         # the dtype the state is created with.
         self.kv_dtype: torch.dtype | None = None
-        # q and k rotated, k and v written to the cache by one kernel (a bfloat16 / float32 cache)
+        # q and k rotated, k and v written to the cache by one kernel (a cache in the compute
+        # dtype: an fp8 cache's clamp and cast take the reference path, whose conversion Triton's
+        # CPU interpreter cannot check, so the tests could not either)
         self.fused_rope = False
         # The tick's one-query attention by the length-aware kernel (model/ring_attention.py),
         # which reads only the filled prefix of active slots' rings (bfloat16 or fp8 cache).
