@@ -118,7 +118,7 @@ class PersonaPlexEngine:
     `attention`: the SDPA backends on a GPU, "auto" (measured and pinned at warm-up), "default"
     (torch's choice) or a backend name; `kv_read`: the tick's attention by the length-aware
     kernel where it runs ("auto") or always SDPA over the whole ring ("convert"); `fused`: the
-    fused kernels (RMSNorm, silu-gating, RoPE, decode attention) where they check out ("auto")
+    fused kernels (norms, silu-gating, RoPE, the two attentions) where they check out ("auto")
     or never ("off"). See docs/engine.md.
     """
 
