@@ -59,9 +59,12 @@ bench: install-dev
 	$(BIN)/python bench/engine_step.py --model ../shared/golden
 
 # An offline install bundle for an air-gapped GPU host with its own torch (docs/deploy.md):
-# `make bundle BUNDLE_PYTHON=3.12 BUNDLE_PLATFORM=manylinux_2_28_x86_64 BUNDLE_EXTRAS=twilio`.
+# `make bundle BUNDLE_PYTHON=3.12 BUNDLE_PLATFORM=manylinux_2_28_x86_64 BUNDLE_EXTRAS=twilio`;
+# `make bundle PROFILE=gpu`: only what bench/gpu_check.sh needs on a CUDA torch image (~6 MiB).
 BUNDLE_PYTHON ?= 3.12
 BUNDLE_PLATFORM ?= manylinux_2_28_x86_64
 BUNDLE_EXTRAS ?=
+PROFILE ?= full
 bundle: install
-	$(BIN)/personaplex-voice bundle --python-version $(BUNDLE_PYTHON) --platform $(BUNDLE_PLATFORM) --extras "$(BUNDLE_EXTRAS)"
+	$(BIN)/personaplex-voice bundle --python-version $(BUNDLE_PYTHON) --platform $(BUNDLE_PLATFORM) \
+		--extras "$(BUNDLE_EXTRAS)" --profile $(PROFILE)

@@ -62,6 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from check_record import CheckRecord, Children, Stopped, ignore_signals, stop_on_signals  # noqa: E402
+
 from personaplex_voice.engine import generator  # noqa: E402
 from personaplex_voice.engine.base import FRAME_SIZE, Persona, Sampling  # noqa: E402
 from personaplex_voice.engine.generator import PersonaPlexEngine  # noqa: E402
@@ -72,19 +74,33 @@ from personaplex_voice.model.quant import quantize_model_, set_int8_matmul  # no
 from personaplex_voice.model.safetensors_io import TensorSpec, save_state_dict, write_safetensors  # noqa: E402
 from personaplex_voice.model.sources import ModelFiles  # noqa: E402
 
-CHECK = "personaplex-voice gpu_check v2"
+CHECK = "personaplex-voice gpu_check v3"
 PROMPT = "You work for a waste management company and your name is Ayelen. Be helpful and concise."
 GOLDEN_PROMPT = "You enjoy having a good conversation."
 FP8 = torch.float8_e4m3fn
+CORRECTNESS_RUNS = ("fp32_eager", "fp32_graphs", "bf16", "bf16_stepwise", "int8", "fp8_kv", "fp32_references")
 GIB = 2**30
-# What the serving part imports (absent on the GPU box, which has no network): checked first.
-SERVING_PACKAGES = ("fastapi", "uvicorn", "pydantic", "pydantic_settings", "websockets", "soxr", "opuslib")
+# What the serving part imports (absent on the GPU box, which has no network): checked first;
+# libopus through the project's own loader (the offline bundle puts it where only that looks).
+SERVING_PACKAGES = ("fastapi", "uvicorn", "pydantic", "pydantic_settings", "websockets", "soxr")
 TICK_ROWS = ("bf16_1", "bf16_16", "bf16_64", "fp8_64", "fp8_96", "fp8_128", "eager_16", "int8_64")
 MEMORY_ROWS = ("bf16_64", "fp8_128")
 
 
+RECORD: CheckRecord | None = None  # set by main(): the rows file and the log beside --out
+CHILDREN = Children()
+
+
 def say(message: str) -> None:
-    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    if RECORD is not None:
+        RECORD.say(message)
+    else:
+        print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def record_row(part: str, value: Any) -> None:
+    if RECORD is not None:
+        RECORD.row(part, value)
 
 
 class Deadline:
@@ -97,23 +113,28 @@ class Deadline:
 
 def error_entry(exc: BaseException) -> dict[str, Any]:
     kind = "out of memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else type(exc).__name__
-    tail = "".join(traceback.format_exception(exc)[-3:])[-600:]
-    return {"error": f"{kind}: {' '.join(str(exc).split())[:300]}", "where": tail}
+    full = "".join(traceback.format_exception(exc))
+    return {"error": f"{kind}: {' '.join(str(exc).split())[:300]}", "where": full[-600:], "traceback": full}
 
 
-def soft(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
-    """results[name] = fn(), or the error it raised; memory is released either way."""
+def soft(results: dict[str, Any], name: str, fn: Callable[[], Any], part: str | None = None) -> Any:
+    """results[name] = fn(), or the error it raised; memory is released either way. The result
+    is appended to the rows file at once, as part `part` (default `name`)."""
     started = time.monotonic()
     try:
         value = fn()
         results[name] = value
         return value
     except Exception as exc:
-        results[name] = error_entry(exc)
-        say(f"{name}: {results[name]['error']}")
+        entry = error_entry(exc)
+        trace = entry.pop("traceback")  # whole in the log; the JSON keeps its tail ("where")
+        results[name] = entry
+        say(f"{name}: {entry['error']}\n{trace}")
         return None
     finally:
         release_memory()
+        if name in results:
+            record_row(part or name, results[name])
         say(f"{name} done in {time.monotonic() - started:.1f} s")
 
 
@@ -282,9 +303,7 @@ def tick_row(
         row["warmup_s"] = round(time.monotonic() - t0, 2)
     finally:
         row.update(engine.graph_info)
-        row["sdpa_decode"] = engine.tuning.report.get("sdpa_decode")
-        row["sdpa_prefill"] = engine.tuning.report.get("sdpa_prefill")
-        row["kv_read"] = engine.tuning.report.get("kv_read")
+        row.update(kernels_of(engine))
     row["memory_after_warmup"] = memory_now(device)
     prepared = engine.prepare(Persona(text_prompt=PROMPT, voice="RANDOM.pt", sampling=Sampling(), seed=1))
     job = engine.begin_start(0, prepared)
@@ -316,6 +335,20 @@ def tick_row(
     )
     del engine, snap, job
     return row
+
+
+def kernels_of(engine: PersonaPlexEngine) -> dict[str, Any]:
+    """What this engine's tick ran, as its warm-up set it (each engine starts from the
+    references: nothing carries over from the row before), and every fallback with its reason."""
+    report = engine.tuning.report
+    return {
+        "sdpa_decode": report.get("sdpa_decode"),
+        "sdpa_prefill": report.get("sdpa_prefill"),
+        "kv_read": report.get("kv_read"),
+        "fused_ops": report.get("fused_ops"),
+        "int8_matmul": report.get("int8_matmul"),
+        "fallbacks": engine.fallbacks,
+    }
 
 
 def graph_vs_eager(
@@ -370,7 +403,13 @@ def graph_vs_eager(
 def int8_kernels(device: str, plan: dict[str, Any]) -> dict[str, Any]:
     """ms per matmul x [M, K] @ w [N, K]^T: bf16 dense, dequantise + dense, torch._int_mm
     (int8 activations, fused), torch._weight_int8pack_mm; and the fused path's error."""
-    from personaplex_voice.model.quant import Int8Weight, dequant_linear, int_mm_linear, int_mm_usable
+    from personaplex_voice.model.quant import (
+        Int8Weight,
+        dequant_linear,
+        int_mm_failure,
+        int_mm_linear,
+        int_mm_usable,
+    )
 
     m, k, n = plan["int8_shape"]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -379,6 +418,9 @@ def int8_kernels(device: str, plan: dict[str, Any]) -> dict[str, Any]:
     w = (torch.randn(n, k, generator=gen) * 0.02).to(device, dtype)
     q8 = Int8Weight.quantize(w)
     out: dict[str, Any] = {"shape": [m, k, n], "int_mm_usable": int_mm_usable(torch.device(device))}
+    if not out["int_mm_usable"]:
+        reason = int_mm_failure(torch.device(device)) or "not usable here"
+        out["fallbacks"] = [{"what": "int8 matmul (torch._int_mm)", "reason": reason}]
     kernels = {
         "bf16_dense": lambda: torch.nn.functional.linear(x, w),
         "int8_dequant": lambda: dequant_linear(x, q8.q, q8.scale),
@@ -428,11 +470,16 @@ def speed(
         slots = plan["slots"][name]
         if deadline.left() < plan["min_left_s"]:
             rows[name] = {"skipped": "time", "slots": slots, "captured": None}
+            record_row(f"ticks.{name}", rows[name])
             return
-        value = soft(rows, name, lambda: tick_row(files, (mimi, lm), device, slots, ticks, **options))
+        value = soft(
+            rows,
+            name,
+            lambda: tick_row(files, (mimi, lm), device, slots, ticks, **options),
+            part=f"ticks.{name}",
+        )
         if value is None:
             rows[name].update(slots=slots, captured=False)
-        say(f"{name}: {json.dumps(rows[name])[:400]}")
 
     with byte_tokenizer():
         for name in ("bf16_1", "bf16_16", "bf16_64"):
@@ -445,7 +492,9 @@ def speed(
             soft(result, "graph_vs_eager_7b", lambda: graph_vs_eager(files, (mimi, lm), device, n, 10))
         else:
             result["graph_vs_eager_7b"] = {"skipped": "time"}
-        result["int8_kernels"] = soft({}, "int8_kernels", lambda: int8_kernels(device, plan)) or {}
+        kernels: dict[str, Any] = {}
+        soft(kernels, "int8_kernels", lambda: int8_kernels(device, plan))
+        result["int8_kernels"] = kernels["int8_kernels"]
         if deadline.left() > plan["min_left_s"]:
             quantize_model_(lm)  # in place: the bfloat16 rows are done
             set_int8_matmul(lm, "auto")
@@ -489,9 +538,13 @@ def greedy_rows(
     files: ModelFiles, device: str, dtype: torch.dtype, frames: np.ndarray, voice, **options
 ) -> np.ndarray:
     static_on_cpu = options.pop("static_on_cpu", False)
+    ran = options.pop("ran", None)  # what the engine's tick ran (kernels_of), filled in
     engine = PersonaPlexEngine(files, 1, device, dtype, **options)
     if static_on_cpu:
         engine.use_static_tick(cuda_graph=False)
+    engine.warmup()  # on a GPU: the kernels checked and turned on, as serving runs them
+    if ran is not None:
+        ran.update(kernels_of(engine))
     prepared = engine.prepare(Persona(text_prompt=GOLDEN_PROMPT, voice=voice, sampling=Sampling(greedy=True)))
     engine.start(0, prepared)
     rows = []
@@ -557,29 +610,34 @@ def correctness(device: str, frames_n: int, work: Path) -> dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = False
     graph_options = {"cuda_graphs": True} if on_gpu else {"static_on_cpu": True}
     cpu = greedy_rows(files, "cpu", torch.float32, frames, voice, cuda_graphs=False)
+    ran: dict[str, dict[str, Any]] = {name: {} for name in CORRECTNESS_RUNS}
+
+    def rows_of(name: str, dtype: torch.dtype, **options: Any) -> Callable[[], np.ndarray]:
+        return lambda: greedy_rows(files, device, dtype, frames, voice, ran=ran[name], **options)
+
     runs: dict[str, Callable[[], np.ndarray]] = {
-        "fp32_eager": lambda: greedy_rows(files, device, torch.float32, frames, voice, cuda_graphs=False),
-        "fp32_graphs": lambda: greedy_rows(files, device, torch.float32, frames, voice, **graph_options),
-        "bf16": lambda: greedy_rows(files, device, torch.bfloat16, frames, voice, **graph_options),
-        "bf16_stepwise": lambda: greedy_rows(
-            files, device, torch.bfloat16, frames, voice, prefill="stepwise", **graph_options
-        ),
-        "int8": lambda: greedy_rows(
-            files, device, torch.bfloat16, frames, voice, quantize="int8", **graph_options
-        ),
-        "fp8_kv": lambda: greedy_rows(
-            files, device, torch.bfloat16, frames, voice, kv_dtype=FP8, **graph_options
-        ),
+        "fp32_eager": rows_of("fp32_eager", torch.float32, cuda_graphs=False),
+        "fp32_graphs": rows_of("fp32_graphs", torch.float32, **graph_options),
+        "bf16": rows_of("bf16", torch.bfloat16, **graph_options),
+        "bf16_stepwise": rows_of("bf16_stepwise", torch.bfloat16, prefill="stepwise", **graph_options),
+        "int8": rows_of("int8", torch.bfloat16, quantize="int8", **graph_options),
+        "fp8_kv": rows_of("fp8_kv", torch.bfloat16, kv_dtype=FP8, **graph_options),
+        # the references everywhere (no fused kernel): does the GPU's kernel path change tokens?
+        "fp32_references": rows_of("fp32_references", torch.float32, fused="off", **graph_options),
     }
     rows: dict[str, Any] = {}
     for name, run in runs.items():
-        if soft(rows, name, run) is None:
+        if soft(rows, name, run, part=f"correctness.{name}") is None:
             out[name] = rows[name]
+    out["kernels"] = ran
     fp32 = rows.get("fp32_eager")
     if isinstance(fp32, np.ndarray):
         out["fp32_device_vs_cpu"] = agreement(fp32, cpu, n_audio)
         if isinstance(rows.get("fp32_graphs"), np.ndarray):
             out["graphs_vs_eager"] = agreement(rows["fp32_graphs"], fp32, n_audio)
+    fused, plain = rows.get("fp32_graphs"), rows.get("fp32_references")
+    if isinstance(fused, np.ndarray) and isinstance(plain, np.ndarray):
+        out["fused_vs_references"] = agreement(fused, plain, n_audio)
     reference = fp32 if isinstance(fp32, np.ndarray) else cpu
     for name in ("bf16", "bf16_stepwise", "int8", "fp8_kv"):
         if isinstance(rows.get(name), np.ndarray):
@@ -643,16 +701,19 @@ def file_load(device: str, cfg: ModelConfig, work: Path, deadline: Deadline, pla
         return {"skipped": f"disk: {free / 1e9:.1f} GB free for a {size / 1e9:.1f} GB file"}
     out: dict[str, Any] = {}
     path = work / "random-lm.safetensors"
-    t0 = time.monotonic()
-    out["checkpoint_gb"] = round(write_random_lm(cfg, path) / 1e9, 2)
-    out["write_s"] = round(time.monotonic() - t0, 1)
-    out["evicted_from_page_cache"] = evict_from_page_cache(path)
-    release_memory()
-    reset_host_peak()
-    t0 = time.perf_counter()
-    lm = load_lm(cfg, path, device, torch.bfloat16)
-    synchronize(device)
-    out["load_s"] = round(time.perf_counter() - t0, 2)
+    try:
+        t0 = time.monotonic()
+        out["checkpoint_gb"] = round(write_random_lm(cfg, path) / 1e9, 2)
+        out["write_s"] = round(time.monotonic() - t0, 1)
+        out["evicted_from_page_cache"] = evict_from_page_cache(path)
+        release_memory()
+        reset_host_peak()
+        t0 = time.perf_counter()
+        lm = load_lm(cfg, path, device, torch.bfloat16)
+        synchronize(device)
+        out["load_s"] = round(time.perf_counter() - t0, 2)
+    finally:  # 16.7 GB: not a byte longer than the load needs it
+        path.unlink(missing_ok=True)
     out["host_peak_rss_mb"] = round(host_peak_rss_mb(), 0)
     out["gpu_max_allocated_gib"] = memory_now(device)["max_allocated_gib"]
     del lm
@@ -668,8 +729,17 @@ def missing_serving_packages() -> list[str]:
     for name in SERVING_PACKAGES:
         try:
             importlib.import_module(name)
-        except Exception:  # ImportError, or opuslib's bare Exception without libopus
+        except Exception:
             missing.append(name)
+    try:
+        from personaplex_voice.audio.opus_library import OpusUnavailableError, require_opus
+    except ImportError as exc:  # the audio package itself needs one of the above (soxr)
+        missing.append(f"opuslib/libopus (not checked: {exc})")
+        return missing
+    try:
+        require_opus()  # $PERSONAPLEX_LIBOPUS, <prefix>/lib/personaplex-voice/, the system's
+    except OpusUnavailableError as exc:
+        missing.append(f"opuslib/libopus ({' '.join(str(exc).split())[:160]})")
     return missing
 
 
@@ -768,7 +838,7 @@ def serving(device: str, cfg: ModelConfig, work: Path, plan: dict[str, Any], dea
     model_dir(cfg, root, device)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = work / "server.log"
+    log_path = RECORD.out.with_suffix(".server.log") if RECORD is not None else work / "server.log"
     command = [
         sys.executable, "-m", "personaplex_voice.cli", "serve",
         "--model", str(root), "--device", device, "--max-sessions", str(plan["callers"]),
@@ -776,8 +846,9 @@ def serving(device: str, cfg: ModelConfig, work: Path, plan: dict[str, Any], dea
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     started = time.monotonic()
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "wb") as log:  # its own process group: ended whole, whatever happens
+        server = CHILDREN.start(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    say(f"server started (pid {server.pid}), its log: {log_path}")
     try:
         while True:
             if server.poll() is not None:
@@ -815,12 +886,7 @@ def serving(device: str, cfg: ModelConfig, work: Path, plan: dict[str, Any], dea
         )
         return out
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        CHILDREN.stop(server)
 
 
 def log_tail(path: Path, chars: int = 1500) -> str:
@@ -897,6 +963,9 @@ def skeleton(args: argparse.Namespace, device: str) -> dict[str, Any]:
         "check": CHECK,
         "cpu_smoke": args.cpu_smoke,
         "setup": json.loads(os.environ.get("GPU_CHECK_SETUP", "{}") or "{}"),
+        "rows_file": str(args.out.with_suffix(".jsonl")),
+        "log_file": str(args.out.with_suffix(".log")),
+        "stopped": None,
         "versions": None,
         "disk": None,
         "sdpa": None,
@@ -913,6 +982,7 @@ def skeleton(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    global RECORD
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -924,58 +994,91 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None, help="where files go (the load part: 17 GB)")
     args = parser.parse_args()
     started = time.monotonic()
+    RECORD = CheckRecord(args.out, started)
+    stop_on_signals()  # a timeout's SIGTERM: what finished is kept, children end, files go
     deadline = Deadline(args.budget_s)
     device = "cpu" if args.cpu_smoke else args.device
     plan = plans(args.cpu_smoke)
     result = skeleton(args, device)
-    result["architecture"] = plan["architecture"]
-    result["versions"] = versions(device)
-    work_parent = args.work_dir or Path(tempfile.gettempdir())
-    work_parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=work_parent))
-    result["disk"] = disk(work)
-    say(f"versions {json.dumps(result['versions'])}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        result["error"] = "torch sees no CUDA device"
-        shutil.rmtree(work, ignore_errors=True)
-        print(write_result(args.out, result, started, complete=True), flush=True)
-        return
+    work: Path | None = None
+    try:
+        result["architecture"] = plan["architecture"]
+        result["versions"] = versions(device)
+        work_parent = args.work_dir or Path(tempfile.gettempdir())
+        work_parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=work_parent))
+        result["disk"] = disk(work)
+        record_row("versions", result["versions"])
+        record_row("disk", result["disk"])
+        say(f"versions {json.dumps(result['versions'])}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            result["error"] = "torch sees no CUDA device"
+            record_row("error", {"error": result["error"]})
+        else:
+            run_parts(args, device, plan, deadline, work, result, started)
+    except Stopped as stop:
+        ignore_signals()
+        result["stopped"] = f"{stop.signal_name} after {time.monotonic() - started:.0f} s"
+        say(f"stopped by {stop.signal_name}: ending the subprocesses, deleting {work}; what finished is kept")
+        record_row("stopped", {"signal": stop.signal_name})
+    finally:
+        ignore_signals()
+        CHILDREN.stop_all()
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    line = write_result(args.out, result, started, complete=result["stopped"] is None)
+    print(line, flush=True)
+    if result["stopped"] is not None:
+        sys.exit(143)
+
+
+def run_parts(
+    args: argparse.Namespace,
+    device: str,
+    plan: dict[str, Any],
+    deadline: Deadline,
+    work: Path,
+    result: dict[str, Any],
+    started: float,
+) -> None:
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)) if not args.cpu_smoke else 1)
     parts = set(args.parts.split(","))
     cfg = plan["config"]
-    try:
-        with torch.no_grad():
-            if "sdpa" in parts:
-                soft(result, "sdpa", lambda: sdpa(device, plan))
-                write_result(args.out, result, started, complete=False)
-            if "speed" in parts:
-                try:
-                    speed(device, cfg, work, deadline, plan, result)
-                except Exception as exc:  # the model could not even be built
-                    result["speed_error"] = error_entry(exc)
-                release_memory()
-                write_result(args.out, result, started, complete=False)
-            if "correctness" in parts:
-                soft(result, "correctness", lambda: correctness(device, plan["correct_frames"], work))
-                write_result(args.out, result, started, complete=False)
-            if "load" in parts:
-                soft(result, "load", lambda: file_load(device, cfg, work, deadline, plan))
-                write_result(args.out, result, started, complete=False)
-            if "serving" in parts:
-                soft(result, "serving", lambda: serving(device, cfg, work, plan, deadline))
-                if "skipped" in (result.get("serving") or {}):
-                    say(f"serving: skipped ({result['serving']['skipped']})")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(write_result(args.out, result, started, complete=True), flush=True)
+    with torch.no_grad():
+        if "sdpa" in parts:
+            soft(result, "sdpa", lambda: sdpa(device, plan))
+            write_result(args.out, result, started, complete=False)
+        if "speed" in parts:
+            try:
+                speed(device, cfg, work, deadline, plan, result)
+            except Exception as exc:  # the model could not even be built
+                result["speed_error"] = error_entry(exc)
+                record_row("speed_error", result["speed_error"])
+            release_memory()
+            write_result(args.out, result, started, complete=False)
+        if "correctness" in parts:
+            soft(result, "correctness", lambda: correctness(device, plan["correct_frames"], work))
+            write_result(args.out, result, started, complete=False)
+        if "load" in parts:
+            soft(result, "load", lambda: file_load(device, cfg, work, deadline, plan))
+            write_result(args.out, result, started, complete=False)
+        if "serving" in parts:
+            soft(result, "serving", lambda: serving(device, cfg, work, plan, deadline))
+            if "skipped" in (result.get("serving") or {}):
+                say(f"serving: skipped ({result['serving']['skipped']})")
 
 
 def write_result(out: Path, result: dict[str, Any], started: float, complete: bool) -> str:
-    """The JSON line, written to `out` after every part (a crash later keeps what was measured)."""
+    """The JSON line, written to `out` after every part (a crash later keeps what was measured).
+    `errors`: where an error was recorded; `fallbacks`: every fallback any part took, with its
+    reason (a kernel that failed its check, `_int_mm`, an attention pin, a capture)."""
     result["complete"] = complete
     result["seconds"] = round(time.monotonic() - started, 1)
     result["errors"] = sorted(find_errors(result))
+    result["fallbacks"] = list(find_fallbacks(result))
     line = json.dumps(result, default=str)
+    if RECORD is not None:
+        return RECORD.summary(result)
     with contextlib.suppress(OSError):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(line + "\n")
@@ -988,8 +1091,20 @@ def find_errors(value: Any, path: str = "") -> Iterator[str]:
         if "error" in value and isinstance(value["error"], str):
             yield path or "."
         for key, item in value.items():
-            if key not in ("error", "errors"):
+            if key not in ("error", "errors", "fallbacks"):
                 yield from find_errors(item, f"{path}.{key}" if path else str(key))
+
+
+def find_fallbacks(value: Any, path: str = "") -> Iterator[dict[str, str]]:
+    """Every fallback recorded anywhere in the result, with where ("ticks.fp8_128", ...)."""
+    if isinstance(value, dict):
+        own = value.get("fallbacks") if path else None  # the top level's is this very list
+        for entry in own or []:
+            if isinstance(entry, dict):
+                yield {"where": path, **entry}
+        for key, item in value.items():
+            if key not in ("fallbacks", "errors"):
+                yield from find_fallbacks(item, f"{path}.{key}" if path else str(key))
 
 
 if __name__ == "__main__":

@@ -15,17 +15,25 @@
 #   parts that need a missing package report it and the rest runs).
 # The package is used from the checkout (PYTHONPATH). Finishes in under 8 minutes; prints ONE
 # JSON line and writes it to OUT.json (default gpu_check.json), also when the python part dies.
+# Beside it, as the run goes: OUT.jsonl (every row and part as it finishes, one JSON line each),
+# OUT.log (every line of this script and of the check, whole) and OUT.server.log (the serving
+# part's server). A SIGTERM (a timeout, a kill) reaches the check, which keeps every finished
+# row, ends its subprocesses and deletes its large files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 OUT="${1:-gpu_check.json}"
 [ $# -gt 0 ] && shift
+mkdir -p "$(dirname "$OUT")" 2>/dev/null
+LOG="${OUT%.json}.log"
+[ "$LOG" = "$OUT" ] && LOG="$OUT.log"
+: >"$LOG"
 TOTAL_S="${GPU_CHECK_TOTAL_S:-470}"
 SMOKE=0
 for arg in "$@"; do [ "$arg" = "--cpu-smoke" ] && SMOKE=1; done
-log() { echo "[gpu_check.sh] $*" >&2; }
+log() { echo "[gpu_check.sh] $*" | tee -a "$LOG" >&2; }
 emit() {  # a JSON line when the python part could not write one
-    local line="{\"check\": \"personaplex-voice gpu_check v1\", \"error\": \"$1\", \"errors\": [\".\"]}"
+    local line="{\"check\": \"personaplex-voice gpu_check v3\", \"error\": \"$1\", \"errors\": [\".\"]}"
     mkdir -p "$(dirname "$OUT")" 2>/dev/null
     echo "$line" >"$OUT"
     echo "$line"
@@ -56,18 +64,25 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.__version__ >= '2.4' else 
     exit 1
 fi
 
-# The runtime dependencies (pyproject, torch excluded), as import name=pip requirement.
-DEPS="numpy=numpy sentencepiece=sentencepiece soundfile=soundfile soxr=soxr pyloudnorm=pyloudnorm \
-opuslib=opuslib typer=typer pydantic=pydantic pydantic_settings=pydantic-settings fastapi=fastapi \
-uvicorn=uvicorn[standard] websockets=websockets prometheus_client=prometheus-client tqdm=tqdm \
-huggingface_hub=huggingface_hub safetensors=safetensors cryptography=cryptography"
-missing() {  # the packages $1 cannot import, and libopus when the project's loader finds none
-    local py="$1" out=""
+# What the check imports (torch excluded), as import name=pip requirement: the host's CUDA
+# image usually has the first line; the offline bundle's gpu profile carries the rest
+# (`make bundle PROFILE=gpu`). Audio voices (soundfile, pyloudnorm) and --ssl (cryptography)
+# are not used by the check.
+DEPS="numpy=numpy sentencepiece=sentencepiece safetensors=safetensors typer=typer tqdm=tqdm \
+prometheus_client=prometheus-client \
+fastapi=fastapi pydantic=pydantic pydantic_settings=pydantic-settings uvicorn=uvicorn \
+httptools=httptools websockets=websockets soxr=soxr"
+missing() {  # the packages $1 cannot import, and opuslib / libopus as the project's loader sees them
+    local py="$1" out="" why
     for pair in $DEPS; do
         "$py" -c "import ${pair%%=*}" 2>/dev/null || out="$out ${pair#*=}"
     done
-    PYTHONPATH="$PWD" "$py" -c "from personaplex_voice.audio.opus_library import require_opus; require_opus()" \
-        >/dev/null 2>&1 || out="$out libopus"
+    # never `import opuslib` directly: it looks for a system libopus only, where the bundle's is
+    # found by the project's loader alone (personaplex_voice/audio/opus_library.py)
+    "$py" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('opuslib') else 1)" \
+        2>/dev/null || out="$out opuslib"
+    why=$(PYTHONPATH="$PWD" "$py" -c "from personaplex_voice.audio.opus_library import require_opus; require_opus()" 2>&1) ||
+        case "$why" in *"package opuslib"*) ;; *) out="$out libopus" ;; esac
     echo "$out"
 }
 # .venv-gpu over $1: it sees exactly the site-packages $1 sees (the host's torch among them,
@@ -94,7 +109,8 @@ if [ -n "$MISSING" ]; then
     if make_gpu_venv "$PY"; then
         if [ -n "$BUNDLE" ]; then
             log "missing:$MISSING; installing the offline bundle $BUNDLE into .venv-gpu (on top of $PY, same torch; no network)"
-            bash "$BUNDLE/install.sh" .venv-gpu/bin/python >&2 || log "the bundle's install.sh failed"
+            bash "$BUNDLE/install.sh" .venv-gpu/bin/python 2>&1 | tee -a "$LOG" >&2 ||
+                log "the bundle's install.sh failed"
         else
             log "missing:$MISSING; installing them into .venv-gpu (on top of $PY, same torch)"
             # shellcheck disable=SC2086  # one word per requirement
@@ -119,11 +135,31 @@ BUDGET=$((TOTAL_S - ELAPSED - 25))
 LIMIT=$((TOTAL_S - ELAPSED))
 log "running bench/gpu_check.py (budget ${BUDGET} s, hard limit ${LIMIT} s)"
 rm -f "$OUT"
+# In the background, waited for: a TERM / INT / HUP to this script is passed on to it (through
+# timeout, which forwards it), rather than leaving it running past us.
 GPU_CHECK_SETUP="$SETUP" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout -k 10 "$LIMIT" "$PY" bench/gpu_check.py --out "$OUT" --budget-s "$BUDGET" "$@"
-RC=$?
+    timeout -k 20 "$LIMIT" "$PY" bench/gpu_check.py --out "$OUT" --budget-s "$BUDGET" "$@" &
+CHECK=$!
+STOPPED=""
+forward() {
+    STOPPED="$1"
+    log "got SIG$1: passing it on to the check"
+    kill -s "$1" "$CHECK" 2>/dev/null
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward HUP' HUP
+RC=0
+wait "$CHECK" || RC=$?
+while kill -0 "$CHECK" 2>/dev/null; do  # a trapped signal ends `wait` early: wait again
+    wait "$CHECK"
+    RC=$?
+done
+trap - TERM INT HUP
 [ "$RC" = 0 ] && exit 0
-if [ "$RC" = 124 ] || [ "$RC" = 137 ]; then
+if [ -n "$STOPPED" ]; then
+    WHY="stopped by SIG$STOPPED; the finished rows are in ${OUT%.json}.jsonl"
+elif [ "$RC" = 124 ] || [ "$RC" = 137 ]; then
     WHY="bench/gpu_check.py ran past ${LIMIT} s and was stopped"
 else
     WHY="bench/gpu_check.py exited with status $RC"

@@ -5,10 +5,17 @@ package index and Debian's archive, then used with no network at all.
   (`pip install --dry-run --no-index` on the bundle alone, for 3.12's tags and markers, a
   placeholder standing for the host's torch), it holds no torch or CUDA wheel, and its libopus
   (Debian's libopus0) loads through the project's loader.
-- The whole air-gapped flow, on this machine's Python: a clean copy of the checkout with a bundle
-  in `offline-bundle/`, a fresh venv holding only torch, `bench/gpu_check.sh --cpu-smoke` inside a
-  network namespace with nothing but loopback (when the machine allows one): the bundle is
-  installed, nothing is missing, every part of the check runs.
+- The gpu profile (what bench/gpu_check.sh needs on a CUDA torch image): it and the golden files
+  fit the carry to a GPU host (under 48 MiB), it resolves offline with the image's packages
+  standing in for the rest.
+- The whole air-gapped flow, on this machine's Python: a clean copy of the checkout with a gpu
+  profile bundle in `offline-bundle/`, a fresh venv holding only what the GPU image has (torch,
+  numpy, safetensors...: none of fastapi, uvicorn, pydantic, websockets, soxr, opuslib, soundfile,
+  libopus), `bench/gpu_check.sh --cpu-smoke` inside a network namespace with nothing but loopback
+  (when the machine allows one): the bundle is installed, nothing is missing, every part of the
+  check runs, serving included (opus through the project's loader).
+
+The bundles are built once per test session (tests/support_bundle.py).
 """
 
 from __future__ import annotations
@@ -23,13 +30,18 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support_bundle import ABSENT_ON_THE_GPU_HOST, GPU_IMAGE, gpu_image_site, shared_bundle
 
 from personaplex_voice.audio import opus_library
 from personaplex_voice.deploy.bundle import (
+    GPU_IMAGE_PROVIDES,
     HOST_ONLY,
+    PROFILES,
     build_bundle,
+    canonical,
     check_no_host_packages,
     placeholder_torch,
+    profile_requirements,
     read_manifest,
     runtime_requirements,
     verify_bundle,
@@ -39,7 +51,10 @@ from personaplex_voice.deploy.target import Target
 from personaplex_voice.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_PIN = "torch==2.13.0"  # the CPU build on this machine's disk (the Makefile's TORCH_PIN)
+GOLDEN = ROOT.parent / "shared" / "golden"
+# What can travel to the GPU host beside the tracked tree (the device tool carries 64 MiB in
+# all); the bundle, the golden files and anything else the check needs stay under this.
+CARRY_BUDGET_MIB = 48
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,11 +208,53 @@ def test_a_library_that_does_not_load_is_named_in_the_error(tmp_path, monkeypatc
 # the bundle for the default target (downloads from the package index and Debian's archive)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bundle_312(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundle") / "offline-bundle"
-    build_bundle(out, Target("3.12", "manylinux_2_28_x86_64"), root=ROOT, log=lambda _: None)
-    return out
+    return shared_bundle(tmp_path_factory, Target("3.12", "manylinux_2_28_x86_64"), "full", ROOT)
+
+
+@pytest.fixture(scope="session")
+def gpu_bundle_312(tmp_path_factory) -> Path:
+    return shared_bundle(tmp_path_factory, Target("3.12", "manylinux_2_28_x86_64"), "gpu", ROOT)
+
+
+def size_mib(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
+
+
+def test_the_gpu_profile_takes_the_project_s_specifiers_and_no_extras():
+    requirements = profile_requirements(ROOT, PROFILES["gpu"])
+    assert [r.split(">")[0].split("=")[0].split("<")[0] for r in requirements] == list(
+        PROFILES["gpu"].packages
+    )
+    uvicorn = next(r for r in requirements if r.startswith("uvicorn"))
+    assert "[" not in uvicorn and "<0.55" in uvicorn  # the pin kept, [standard] dropped
+    with pytest.raises(UserError, match="fixed set"):
+        profile_requirements(ROOT, PROFILES["gpu"], ["twilio"])
+    with pytest.raises(UserError, match="no such profile"):
+        build_bundle(ROOT / "nowhere", root=ROOT, profile="tiny", verify=False, log=lambda _: None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_gpu_profile_and_the_golden_files_fit_the_carry(gpu_bundle_312, tmp_path):
+    """What travels to the GPU host beside the tracked tree: the gpu profile bundle and the golden
+    files, under 48 MiB (the full bundle alone is ~75 MiB); none of what the image has (numpy),
+    all of the serving stack; and it resolves offline for 3.12 with the image's packages (here
+    placeholders) standing in for the rest."""
+    bundle_mib, golden_mib = size_mib(gpu_bundle_312), size_mib(GOLDEN)
+    print(f"gpu bundle {bundle_mib:.1f} MiB + golden {golden_mib:.1f} MiB")
+    assert bundle_mib + golden_mib < CARRY_BUDGET_MIB, (bundle_mib, golden_mib)
+    names = {wheel_name(p.name)[0] for p in (gpu_bundle_312 / "wheels").glob("*.whl")}
+    assert {"personaplex-voice", "fastapi", "uvicorn", "pydantic", "websockets", "soxr", "opuslib"} <= names
+    assert not names & {canonical(n) for n in (*GPU_IMAGE_PROVIDES, "scipy", "soundfile", "cryptography")}
+    assert not any(HOST_ONLY.match(n) for n in names)
+    assert (gpu_bundle_312 / "lib" / "libopus.so.0").is_file()
+    manifest = read_manifest(gpu_bundle_312)
+    assert manifest["profile"] == "gpu" and manifest["host_provides"] == list(GPU_IMAGE_PROVIDES)
+    resolved = verify_bundle(gpu_bundle_312, log=lambda _: None)
+    assert f"personaplex-voice=={manifest['version']}" in resolved
+    assert {r.split("==")[0] for r in resolved} >= names  # every wheel is used
 
 
 @pytest.mark.slow
@@ -314,23 +371,29 @@ def missing_entries(value, path: str = "") -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_air_gapped_flow_bundle_then_gpu_check_cpu_smoke_in_a_venv_with_only_torch(tmp_path):
+def test_air_gapped_flow_gpu_bundle_then_gpu_check_cpu_smoke_on_a_bare_gpu_image(tmp_path, tmp_path_factory):
     clone = clean_copy(tmp_path / "clone")
-    # On the connected machine: the bundle, for this machine's Python, beside bench/.
-    build_bundle(clone / "offline-bundle", Target.local(), root=clone, log=lambda _: None)
-    # The "GPU host": a fresh venv with nothing but torch (and what torch itself needs).
+    # On the connected machine: the gpu profile bundle, for this machine's Python, beside bench/.
+    bundle = shared_bundle(tmp_path_factory, Target.local(), "gpu", ROOT)
+    shutil.copytree(bundle, clone / "offline-bundle")
+    # The "GPU host": a fresh venv seeing only what the CUDA torch image has.
+    image = gpu_image_site(tmp_path / "image")
     host = tmp_path / "host"
     subprocess.run([sys.executable, "-m", "venv", str(host)], check=True, timeout=300)
-    subprocess.run(
-        [str(host / "bin" / "python"), "-m", "pip", "install", "-q", TORCH_PIN], check=True, timeout=900
-    )
-    absent = subprocess.run(
-        [str(host / "bin" / "python"), "-c", "import numpy"], capture_output=True, timeout=120
-    )
-    assert absent.returncode != 0  # really nothing else there
-    out = tmp_path / "gpu_check.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(PYTHON=str(host / "bin" / "python"), OMP_NUM_THREADS="1")
+    host_site = next((host / "lib").glob("python3*/site-packages"))
+    (host_site / "gpu-image.pth").write_text(f"{image}\n")
+    python = str(host / "bin" / "python")
+    for name in GPU_IMAGE:  # the image's packages are there...
+        probe = subprocess.run(
+            [python, "-c", f"import importlib.metadata as m; m.version({name!r})"], timeout=120
+        )
+        assert probe.returncode == 0, name
+    for module in ("fastapi", "uvicorn", "pydantic", "websockets", "soxr", "opuslib", "soundfile"):
+        absent = subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=120)
+        assert absent.returncode != 0, module  # ...and nothing of the serving stack
+    out = tmp_path / "out" / "gpu_check.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    env.update(PYTHON=python, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [*isolated_network(), "bash", str(clone / "bench" / "gpu_check.sh"), str(out), "--cpu-smoke"],
         cwd=clone,
@@ -344,13 +407,17 @@ def test_air_gapped_flow_bundle_then_gpu_check_cpu_smoke_in_a_venv_with_only_tor
     assert len(lines) == 1, proc.stdout[-2000:]
     result = json.loads(lines[0])
     setup = result["setup"]
-    assert setup["bundle"] == "offline-bundle" and "numpy" in setup["from_bundle"], setup
+    assert setup["bundle"] == "offline-bundle" and "fastapi" in setup["from_bundle"], setup
     assert "libopus" in setup["from_bundle"]  # the host had none the loader could use
     assert setup["python"] == ".venv-gpu/bin/python"
     assert missing_entries(result) == [], missing_entries(result)
     assert result["complete"] and result["errors"] == [], result["errors"]
     assert result["serving"]["calls_completed"] == result["serving"]["callers"] > 0
     assert "[install.sh] done" in proc.stderr and "libopus 1.3.1" in proc.stderr
-    # the host's torch is the one used: .venv-gpu has none of its own
+    assert "profile gpu" in proc.stderr
+    # the host's torch and numpy are the ones used: .venv-gpu has none of its own
     venv_site = next((clone / ".venv-gpu" / "lib").glob("python3*/site-packages"))
-    assert not (venv_site / "torch").exists() and (venv_site / "numpy").exists()
+    assert not (venv_site / "torch").exists() and not (venv_site / "numpy").exists()
+    assert (venv_site / "fastapi").exists()
+    assert not any((venv_site / name).exists() for name in ("soundfile", "cryptography", "scipy"))
+    assert set(ABSENT_ON_THE_GPU_HOST) >= {"soundfile", "cryptography"}

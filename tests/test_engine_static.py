@@ -13,8 +13,14 @@ torch.set_num_threads(1)
 
 
 def all_state(engine) -> dict[str, torch.Tensor]:
-    state = {f"lm/{k}": v.clone() for k, v in engine.lm_state.items()}
-    state.update({f"mimi/{k}": v.clone() for k, v in engine.mimi_state.items()})
+    """Every state tensor; a KV ring without its spare last entry (the scratch an idle slot's
+    write goes to, never read: model/transformer.py)."""
+
+    def kept(key: str, value: torch.Tensor) -> torch.Tensor:
+        return value[:, :, :-1].clone() if key.endswith((":k", ":v")) else value.clone()
+
+    state = {f"lm/{k}": kept(k, v) for k, v in engine.lm_state.items()}
+    state.update({f"mimi/{k}": kept(k, v) for k, v in engine.mimi_state.items()})
     state.update(
         cache=engine.ring.cache.clone(),
         provided=engine.ring.provided.clone(),

@@ -31,21 +31,27 @@ def test_plan_sizes_are_the_7b_tensors() -> None:
 
 
 def test_traffic_per_tick_is_computed_and_printed_beside_the_old_figure() -> None:
-    """docs/engine.md's traffic table is the code's; fp8 read directly moves half of bfloat16's
-    KV bytes, where the converting read moved 2.5x; fused int8 reads a fifth of dequantising."""
+    """docs/engine.md's traffic table is the code's: the LM's KV bytes follow the filled
+    positions and the active slots (the length-aware decode), beside the whole ring every slot
+    read before; fp8 read directly moves half of bfloat16's; fused int8 reads a fifth of
+    dequantising."""
     from personaplex_voice.model.sizes import tick_traffic, traffic_table
 
     table = traffic_table()
     assert table in (ROOT / "docs" / "engine.md").read_text(encoding="utf-8")
-    assert "| 64 |" in table and "| 128 |" in table and "before (GB)" in table
+    assert "8 of 64 slots in a call" in table and "128 calls" in table and "before (ms)" in table
     cfg = ModelConfig.personaplex_7b()
-    bf16 = tick_traffic(cfg, 64)
     lm = cfg.lm
-    assert bf16.kv == 64 * 2 * lm.num_layers * lm.context * lm.dim * 2
-    assert bf16.kv_old == bf16.kv and bf16.weights_old == bf16.weights
+    per_position = 2 * lm.num_layers * lm.dim * 2  # K and V, bfloat16
+    full = tick_traffic(cfg, 64)
+    assert full.kv == full.kv_whole_ring == 64 * lm.context * per_position
+    at_20s = tick_traffic(cfg, 64, filled=250)
+    assert at_20s.kv == 64 * 250 * per_position and at_20s.kv_whole_ring == full.kv
+    assert tick_traffic(cfg, 64, active=8, filled=1500).kv == 8 * 1500 * per_position
+    assert tick_traffic(cfg, 64, active=0).kv == 0  # idle slots read nothing
+    assert tick_traffic(cfg, 64, filled=10 * lm.context).kv == full.kv  # the ring holds `context`
     fp8 = tick_traffic(cfg, 64, kv_dtype=torch.float8_e4m3fn)
-    assert fp8.kv * 2 == bf16.kv and fp8.kv_old == 5 * fp8.kv
+    assert fp8.kv * 2 == full.kv and fp8.kv_convert == 5 * fp8.kv
     int8 = tick_traffic(cfg, 64, quantize="int8")
-    assert int8.weights < 0.55 * bf16.weights and int8.weights_old > 2 * int8.weights
-    assert tick_traffic(cfg, 128).kv == 2 * bf16.kv
-    assert 20 < bf16.floor_ms() < 40  # 117 GB at 4.3 TB/s
+    assert int8.weights < 0.55 * full.weights and int8.weights_old > 2 * int8.weights
+    assert 20 < full.floor_ms() < 40 and at_20s.floor_ms() < full.floor_ms() / 4

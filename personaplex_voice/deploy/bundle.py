@@ -34,6 +34,7 @@ import tempfile
 import tomllib
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,6 +56,38 @@ PIP_TIMEOUT_S = 900
 INSTALL_SCRIPT = Path(__file__).with_name("install.sh")
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a bundle carries. `packages`: the runtime requirements it is made from, by name
+    (None: all of the project's, with the extras asked for); `host_provides`: distributions the
+    host is expected to have already (never bundled; install.sh checks they import there)."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...] | None = None
+    host_provides: tuple[str, ...] = ()
+
+
+# A CUDA torch image (docs/deploy.md; the GPU host of bench/gpu_check.sh: Python 3.12, torch
+# 2.11) has numpy and these already; what the check needs beyond them is the serving stack.
+GPU_IMAGE_PROVIDES = (
+    "numpy", "safetensors", "sentencepiece", "huggingface-hub", "typer", "tqdm", "prometheus-client",
+)  # fmt: skip
+GPU_CHECK_PACKAGES = (
+    "fastapi", "pydantic", "pydantic-settings", "uvicorn", "httptools", "websockets", "soxr", "opuslib",
+)  # fmt: skip
+PROFILES = {
+    "full": Profile("full", "every runtime dependency (and the extras asked for): serve anything"),
+    "gpu": Profile(
+        "gpu",
+        "what bench/gpu_check.sh needs on a CUDA torch image that lacks the serving stack: "
+        "fastapi, uvicorn (httptools), pydantic, websockets, soxr, opuslib, libopus",
+        packages=GPU_CHECK_PACKAGES,
+        host_provides=GPU_IMAGE_PROVIDES,
+    ),
+}
 
 
 def _stderr(message: str) -> None:
@@ -115,6 +148,27 @@ def runtime_requirements(root: Path, extras: Sequence[str] = ()) -> list[str]:
         if not HOST_ONLY.match(canonical(name)) and requirement not in wanted:
             wanted.append(requirement)
     return wanted
+
+
+def requirement_name(requirement: str) -> str:
+    return canonical(re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0])
+
+
+def profile_requirements(root: Path, profile: Profile, extras: Sequence[str] = ()) -> list[str]:
+    """The requirements a bundle of `profile` is made from: the project's own version specifiers
+    for the profile's packages (their extras dropped: `uvicorn[standard]` is `uvicorn`, the
+    profile names what it needs of the rest), or all of them for a profile without a list."""
+    if profile.packages is None:
+        return runtime_requirements(root, extras)
+    if extras:
+        raise UserError(f"--extras: the {profile.name} profile carries a fixed set of packages")
+    wanted = {canonical(name) for name in profile.packages}
+    found: dict[str, str] = {}
+    for requirement in runtime_requirements(root):
+        name = requirement_name(requirement)
+        if name in wanted:
+            found[name] = re.sub(r"^([A-Za-z0-9_.-]+)\[[^\]]*\]", r"\1", requirement)
+    return [found.get(canonical(name), name) for name in profile.packages]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +245,20 @@ def download_wheels(requirements: list[str], wheels: Path, target: Target, work:
                 f"compiled code ({made[0].name}): make the bundle on a machine like the target"
             )
     raise UserError(f"bundle: more than {MAX_SOURCE_BUILDS} dependencies had to be built from source")
+
+
+def drop_host_provided(wheels: Path, profile: Profile, log: Log) -> list[str]:
+    """Remove the wheels of distributions the profile's host already has; returns their names."""
+    provided = {canonical(name) for name in profile.host_provides}
+    dropped = []
+    for wheel in sorted(wheels.glob("*.whl")):
+        name = wheel_name(wheel.name)[0]
+        if name in provided:
+            wheel.unlink()
+            dropped.append(name)
+    if dropped:
+        log(f"left out (the host has them): {', '.join(dropped)}")
+    return dropped
 
 
 def check_no_host_packages(wheels: Path) -> None:
@@ -288,10 +356,15 @@ def build_bundle(
     libopus: str = "auto",
     verify: bool = True,
     log: Log = _stderr,
+    profile: str = "full",
 ) -> dict[str, Any]:
     """Make the bundle in `out` (see the module docstring); returns its manifest.
 
-    `libopus`: "auto" (Debian's package), a path to a libopus shared library, or "none"."""
+    `libopus`: "auto" (Debian's package), a path to a libopus shared library, or "none";
+    `profile`: "full" or "gpu" (`PROFILES`)."""
+    if profile not in PROFILES:
+        raise UserError(f"--profile {profile}: no such profile ({', '.join(PROFILES)})")
+    chosen = PROFILES[profile]
     root = root or project_root()
     meta = project_metadata(root)
     out = out.resolve()
@@ -301,8 +374,9 @@ def build_bundle(
     with tempfile.TemporaryDirectory(prefix="personaplex-bundle-") as tmp:
         work = Path(tmp)
         project_wheel = build_project_wheel(root, wheels, log)
-        requirements = runtime_requirements(root, extras)
+        requirements = profile_requirements(root, chosen, extras)
         built = download_wheels(requirements, wheels, target, work, log)
+        drop_host_provided(wheels, chosen, log)
         check_no_host_packages(wheels)
         if libopus == "auto":
             libopus_source = fetch_libopus(lib, target, work, log)
@@ -316,6 +390,7 @@ def build_bundle(
             libopus_source = str(given)
     extra = f"[{','.join(extras)}]" if extras else ""
     requirement = f"{PROJECT}{extra}=={meta['version']}"
+    project_wheel_name = project_wheel.name
     pinned = sorted(
         f"{wheel_name(w.name)[0]}=={wheel_name(w.name)[1]}"
         for w in wheels.glob("*.whl")
@@ -330,6 +405,12 @@ def build_bundle(
         "project": PROJECT,
         "version": meta["version"],
         "requirement": requirement,
+        "profile": chosen.name,
+        # a profile with a fixed set: the project's wheel installs without its dependencies,
+        # these requirements with theirs, the host's distributions standing in for the rest
+        "profile_requirements": requirements if chosen.packages is not None else None,
+        "host_provides": list(chosen.host_provides),
+        "project_wheel": project_wheel_name,
         "extras": list(extras),
         "python_version": target.python_version,
         "platform": target.platform,
@@ -344,7 +425,8 @@ def build_bundle(
         manifest["verified"] = len(resolved)
     size = sum(f.stat().st_size for f in files) / 2**20
     count = len(list(wheels.glob("*.whl")))
-    log(f"bundle ready: {out} ({count} wheels, {size:.0f} MiB) for {target.describe()}")
+    log(f"bundle ready: {out} ({count} wheels, {size:.1f} MiB, profile {chosen.name})")
+    log(f"for {target.describe()}")
     return manifest
 
 
@@ -359,14 +441,16 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
     return manifest
 
 
-def placeholder_torch(folder: Path, version: str = "2.4.0") -> Path:
+def placeholder_torch(folder: Path, version: str = "2.4.0", name: str = "torch") -> Path:
     """An empty `torch` wheel standing for the host's own torch while resolving offline (it is
-    never put in a bundle): the bundle must satisfy everything else."""
+    never put in a bundle): the bundle must satisfy everything else. `name`: another
+    distribution a profile expects on the host."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"torch-{version}-py3-none-any.whl"
-    info = f"torch-{version}.dist-info"
+    dist = name.replace("-", "_")
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    info = f"{dist}-{version}.dist-info"
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         z.writestr(
             f"{info}/WHEEL",
             "Wheel-Version: 1.0\nGenerator: personaplex-voice\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
@@ -382,14 +466,22 @@ def verify_bundle(bundle: Path, *, log: Log = _stderr) -> list[str]:
     manifest = read_manifest(bundle)
     target = Target(manifest["python_version"], manifest["platform"])
     check_no_host_packages(bundle / "wheels")
+    fixed = manifest.get("profile_requirements")
     with tempfile.TemporaryDirectory(prefix="personaplex-verify-") as tmp, bundle_only_pip_env() as env:
         work = Path(tmp)
         placeholder_torch(work / "host-torch")
+        for name in manifest.get("host_provides", []):  # the host's own, at any version
+            placeholder_torch(work / "host-torch", "9999", name)
         report = work / "report.json"
         cmd = [*target.pip_command(), "install", "--dry-run", "--ignore-installed", "--no-index"]
         cmd += ["--find-links", str(bundle / "wheels"), "--find-links", str(work / "host-torch")]
-        cmd += [*target.pip_options(), "--report", str(report), "--quiet", manifest["requirement"]]
-        log(f"resolving {manifest['requirement']} offline for {target.describe()}")
+        cmd += [*target.pip_options(), "--report", str(report), "--quiet"]
+        if fixed is not None:  # the project's wheel installs without its dependencies
+            cmd += [*fixed, *manifest.get("host_provides", [])]
+        else:
+            cmd.append(manifest["requirement"])
+        profile = manifest.get("profile", "full")
+        log(f"resolving {manifest['requirement']} ({profile} profile) offline for {target.describe()}")
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, check=False
         )
@@ -400,10 +492,16 @@ def verify_bundle(bundle: Path, *, log: Log = _stderr) -> list[str]:
     for item in installs:
         name, version = canonical(item["metadata"]["name"]), item["metadata"]["version"]
         url = item["download_info"]["url"]
-        source = "host-torch" if name == "torch" else "wheels"
+        host = {"torch", *(canonical(n) for n in manifest.get("host_provides", []))}
+        source = "host-torch" if name in host else "wheels"
         if f"/{source}/" not in url:
             raise UserError(f"bundle {bundle}: {name} {version} resolved from outside the bundle ({url})")
         resolved.append(f"{name}=={version}")
+    if fixed is not None:  # and the project's own wheel is there
+        project = manifest.get("project_wheel")
+        if not project or not (bundle / "wheels" / project).is_file():
+            raise UserError(f"bundle {bundle}: the project's wheel {project} is missing")
+        resolved.append(f"{PROJECT}=={manifest['version']}")
     return resolved
 
 
@@ -434,6 +532,13 @@ def bundle(
         bool, typer.Option(help="Resolve the install offline for the target afterwards")
     ] = True,
     project: Annotated[Path | None, typer.Option(help="The checkout to bundle (default: this one)")] = None,
+    profile: Annotated[
+        str,
+        typer.Option(
+            help="full (every runtime dependency) or gpu (what bench/gpu_check.sh needs on a CUDA "
+            "torch image: the serving stack and libopus, not numpy and what such an image has)"
+        ),
+    ] = "full",
 ) -> None:
     """Make an offline install bundle for a GPU host with torch and no network (docs/deploy.md)."""
     root = project_root(project) if project else project_root()
@@ -445,6 +550,7 @@ def bundle(
         root=root,
         libopus=libopus,
         verify=verify,
+        profile=profile,
     )
 
 

@@ -116,8 +116,10 @@ class PersonaPlexEngine:
     of a parallel prefill is padded to it, so its shape never changes); `graph_backend`: what
     captures the graph (tests inject fakes; with one given, `cuda_graphs` runs on any device);
     `attention`: the SDPA backends on a GPU, "auto" (measured and pinned at warm-up), "default"
-    (torch's choice) or a backend name; `kv_read`: an fp8 cache read by the Triton kernel where
-    it runs ("auto") or always converted ("convert"). See docs/engine.md.
+    (torch's choice) or a backend name; `kv_read`: the tick's attention by the length-aware
+    kernel where it runs ("auto") or always SDPA over the whole ring ("convert"); `fused`: the
+    fused kernels (norms, silu-gating, RoPE, the two attentions) where they check out ("auto")
+    or never ("off"). See docs/engine.md.
     """
 
     sample_rate = SAMPLE_RATE
@@ -143,6 +145,7 @@ class PersonaPlexEngine:
         graph_backend: GraphBackend | None = None,
         attention: str = "auto",
         kv_read: str = "auto",
+        fused: str = "auto",
     ):
         if num_slots < 1:
             raise UserError(f"num_slots must be at least 1, got {num_slots}")
@@ -158,7 +161,7 @@ class PersonaPlexEngine:
         self.prefill_chunk_steps = prefill_chunk_steps
         self.keep_prompt = keep_prompt
         self.capture_logits = capture_logits
-        self.tuning = GpuTuning(attention=attention, kv_read=kv_read)
+        self.tuning = GpuTuning(attention=attention, kv_read=kv_read, fused=fused)
         if self.cfg.frame_size != FRAME_SIZE or self.cfg.sample_rate != SAMPLE_RATE:
             raise ValueError("the engine runs 24 kHz audio in 80 ms frames")
 
@@ -171,6 +174,9 @@ class PersonaPlexEngine:
             dtype = dtype or default_lm_dtype(self.device)
             self.mimi, self.lm, self.load_stats = load_models(files, self.device, dtype, quantize=quantize)
         self.dtype = self.lm.dtype
+        # Shared models may carry another engine's kernels and pins: this one starts from the
+        # references; warmup() checks and turns on what runs here.
+        GpuTuning.reset(self.lm, self.mimi)
         self.tokenizer = TextTokenizer(files.tokenizer)
         self.voice_library = VoiceLibrary(list(files.voice_dirs), source=files.voice_source)
         self.planner = PromptPlanner(self.cfg)
@@ -206,7 +212,7 @@ class PersonaPlexEngine:
             self._lm_forward = torch.compile(self.lm.forward_embeddings, dynamic=False)
         else:
             self._lm_forward = self.lm.forward_embeddings
-        self._graphed: CUDAGraphed | None = None
+        self._graphs: dict[bool, CUDAGraphed] = {}  # by `wide` (see use_static_tick)
         self._graph_backend = graph_backend
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and not compile
@@ -221,26 +227,46 @@ class PersonaPlexEngine:
 
     def use_static_tick(self, cuda_graph: bool) -> None:
         """Run every tick from static buffers with the sampling math always on (what a CUDA
-        graph needs); `cuda_graph=False` runs that path eagerly (CPU tests)."""
-        self.sampler.always_full = True
+        graph needs); `cuda_graph=False` runs that path eagerly (CPU tests).
+
+        Two variants of the tick, each its own graph sharing one memory pool: candidate widths
+        capped (`sampling.STATIC_TEXT_WIDTH` / `STATIC_AUDIO_WIDTH`: no sort of the whole
+        vocabularies), and the full vocabularies, replayed only on ticks where an active slot
+        asks for a top-k above the caps."""
+        self.sampler.static = True
         B, device = self.num_slots, self.device
 
         def idle() -> tuple[torch.Tensor, torch.Tensor]:  # no slot active: the capture changes nothing
             return torch.zeros(B, FRAME_SIZE, device=device), torch.zeros(B, dtype=torch.bool, device=device)
 
-        self._graphed = CUDAGraphed(
-            lambda pcm, active: self._step_tensors(self._full, pcm, active, True),
-            idle_args=idle,
-            enabled=cuda_graph,
-            backend=self._graph_backend,
+        def tick(wide: bool) -> Any:
+            def run(pcm: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                self.sampler.use_static_widths(wide)
+                return self._step_tensors(self._full, pcm, active, True)
+
+            return run
+
+        narrow = CUDAGraphed(tick(False), idle_args=idle, enabled=cuda_graph, backend=self._graph_backend)
+        wide = CUDAGraphed(
+            tick(True), idle_args=idle, enabled=cuda_graph, backend=self._graph_backend, pool_of=narrow
         )
+        self._graphs = {False: narrow, True: wide}
+
+    @property
+    def fallbacks(self) -> list[dict[str, str]]:
+        """Every fallback the warm-up took, with its reason (a kernel that failed its check, an
+        attention pin dropped for the capture, `_int_mm` not usable): what a report must show."""
+        return list(self.tuning.fallbacks)
 
     @property
     def graph_info(self) -> dict[str, Any]:
-        """Whether the tick runs as a captured CUDA graph, and what the capture took."""
-        if self._graphed is None or not self._graphed.enabled:
-            return {"mode": "eager", **CaptureInfo().as_dict()}
-        return {"mode": "cuda_graph", **self._graphed.info.as_dict()}
+        """Whether the tick runs as a captured CUDA graph, and what the capture took (the capped
+        widths' graph; `wide_*`: the full vocabularies' one)."""
+        if not self._graphs or not self._graphs[False].enabled:
+            none = CaptureInfo().as_dict()
+            return {"mode": "eager", **none, **{f"wide_{k}": v for k, v in none.items()}}
+        wide = {f"wide_{k}": v for k, v in self._graphs[True].info.as_dict().items()}
+        return {"mode": "cuda_graph", **self._graphs[False].info.as_dict(), **wide}
 
     # ---------------------------------------------------------------- personas
 
@@ -268,6 +294,11 @@ class PersonaPlexEngine:
                 expected = (self.K, self.planner.ring_positions)
                 if replay.shape[-1] != self.cfg.lm.dim or tuple(cache_after.shape[1:]) != expected:
                     raise PersonaError(f"voice {voice!r} was made for another model")
+                # the model reads these ids: -1 (the published zero token) up to each stream's
+                # initial token (model/embedding_tables.py: a lookup trusts them)
+                cards = torch.tensor([self.cfg.lm.text_card] + [self.cfg.lm.card] * (self.K - 1))
+                if (cache_after < -1).any() or (cache_after[0] > cards[:, None]).any():
+                    raise PersonaError(f"voice {voice!r} holds token ids outside the model's vocabularies")
                 replay = replay.reshape(replay.shape[0], -1)
             else:
                 voice_codes = self._audio_voice_codes.get(voice_key)
@@ -452,17 +483,17 @@ class PersonaPlexEngine:
         first sampling, then greedy (the two tick paths).
         """
         started = time.perf_counter()
-        self.tuning.apply(self.lm, self.lm_state, self.prefill_chunk)  # GPU: what runs, measured
-        if self._graphed is not None:  # capture first, before any slot runs
+        self.tuning.apply(self.lm, self.lm_state, self.prefill_chunk, self.mimi)  # GPU: what runs
+        for graph in self._graphs.values():  # capture first, before any slot runs
             try:
-                self._graphed.warm(*self._idle_inputs())
+                graph.warm(*self._idle_inputs())
             except GraphCaptureError as exc:
                 if not self.tuning.unpin(self.lm):
                     raise _capture_refused(exc) from exc
                 # A pinned attention kernel may be what cannot be captured: torch's choice instead.
                 log.warning("%s with the pinned attention; trying torch's own choice", exc)
                 try:
-                    self._graphed.warm(*self._idle_inputs())
+                    graph.warm(*self._idle_inputs())
                 except GraphCaptureError as again:
                     raise _capture_refused(again) from again
         plan = self.planner.plan(None, None, None, self.tokenizer.encode(wrap_system_prompt(WARMUP_PROMPT)))
@@ -550,9 +581,9 @@ class PersonaPlexEngine:
         if not np.isfinite(pcm).all():  # a bad client must not poison its slot's state with NaN
             pcm = np.nan_to_num(pcm, nan=0.0, posinf=1.0, neginf=-1.0)
         sampling = self.sampler.prepare_tick(active_np.tolist())
-        if self._graphed is not None:
+        if self._graphs:
             try:
-                out, pcm_out = self._graphed(
+                out, pcm_out = self._graphs[self.sampler.wide](
                     torch.from_numpy(pcm).to(self.device), torch.from_numpy(active_np).to(self.device)
                 )
             except GraphCaptureError as exc:  # no warmup() before: the first tick captured

@@ -120,8 +120,11 @@ class CUDAGraphed:
         enabled: bool = True,
         warmup_runs: int = WARMUP_RUNS,
         backend: GraphBackend | None = None,
+        pool_of: CUDAGraphed | None = None,
     ):
         self._fn = fn
+        # another graph whose memory pool this one shares (they never replay at the same time)
+        self._pool_of = pool_of
         self._idle_args = idle_args
         self.enabled = enabled
         self._warmup_runs = warmup_runs
@@ -179,7 +182,8 @@ class CUDAGraphed:
                     self._fn(*self._inputs)
                     self.info.warmup_runs += 1
             backend.synchronize(device)
-            self._pool = backend.new_pool()
+            shared = self._pool_of._pool if self._pool_of is not None else None
+            self._pool = shared if shared is not None else backend.new_pool()
             graph = backend.new_graph()
             inputs = self._inputs
             outputs = backend.capture(graph, self._pool, stream, lambda: self._fn(*inputs))

@@ -81,16 +81,16 @@ def _draw(
     logits: torch.Tensor,
     best: torch.Tensor,
     safe_t: torch.Tensor,
-    keep: torch.Tensor,
     pick_best: torch.Tensor,
-    noise: torch.Tensor,
+    kept_noise: torch.Tensor,
     width: int,
 ) -> torch.Tensor:
-    """Top-`width` candidates, those outside a slot's top-k (`keep` [B, width]) zeroed, race."""
+    """The race among the top-`width` candidates. `kept_noise` [B, width]: a slot's Exp(1) draws
+    by rank, infinite past its top-k (p / inf = 0: those candidates never win), as a zeroed
+    probability would."""
     probs = torch.softmax(logits / safe_t[:, None], dim=-1)
     values, index = probs.topk(width, dim=-1)
-    values = torch.where(keep, values, torch.zeros_like(values))
-    choice = (values / noise[:, :width]).argmax(dim=-1, keepdim=True)
+    choice = (values / kept_noise).argmax(dim=-1, keepdim=True)
     return torch.where(pick_best, best, index.gather(-1, choice)[:, 0])
 
 
@@ -114,7 +114,14 @@ def sample_tokens(
     pick_best = greedy | (temperature <= 0)
     safe_t = torch.where(pick_best, torch.ones_like(temperature), temperature)
     keep = torch.arange(width, device=logits.device)[None, :] < topk[:, None]
-    return _draw(logits, best, safe_t, keep, pick_best, noise, width)
+    kept = torch.where(keep, noise[:, :width], torch.inf)
+    return _draw(logits, best, safe_t, pick_best, kept, width)
+
+
+# The candidate widths a static tick (a CUDA graph) computes, whatever the slots ask, unless one
+# asks for more: then the full vocabularies (a second graph). Default top-k: 25 text, 250 audio.
+STATIC_TEXT_WIDTH = 128
+STATIC_AUDIO_WIDTH = 256
 
 
 class SlotSampler:
@@ -138,14 +145,31 @@ class SlotSampler:
         self._k_audio = [1] * num_slots
         self.text_width = text_card
         self.audio_width = card
-        self.always_full = False  # CUDA graphs: always take the sampling path (static graph)
+        # CUDA graphs: the sampling path always on, with one of two static width pairs
+        # (`static_widths`); `wide` says which one this tick needs.
+        self.static = False
+        self.wide = False
         self._version = 0  # bumped by every settings change
-        self._derived_key: tuple[int, int, int] | None = None
-        self._derived: tuple[torch.Tensor, ...] = ()
+        # per (text width, audio width): the guards and top-k masks, refreshed in place
+        self._derived: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._derived_version: dict[tuple[int, int], int] = {}
         self._index_hash: dict[int, torch.Tensor] = {}
         self._stream_ids = torch.arange(self.streams, dtype=torch.long, device=device)
-        self._text_noise: torch.Tensor | None = None  # this tick's draws (`draw`)
+        self._text_noise: torch.Tensor | None = None  # this tick's draws (`draw`), past top-k = inf
         self._audio_noise: torch.Tensor | None = None
+
+    def static_widths(self, wide: bool) -> tuple[int, int]:
+        """The (text, audio) candidate widths of a static tick: the caps, or the vocabularies."""
+        if wide:
+            return self.text_card, self.card
+        return min(STATIC_TEXT_WIDTH, self.text_card), min(STATIC_AUDIO_WIDTH, self.card)
+
+    def use_static_widths(self, wide: bool) -> None:
+        """A static tick's widths (inside the function a graph captures: its warm-up runs make
+        the buffers these widths read, so the capture itself creates none)."""
+        self.text_width, self.audio_width = self.static_widths(wide)
+        self._constants()
+        self._hash_of(max(self.text_width, self.audio_width))
 
     def subset(self, index: torch.Tensor) -> SlotSampler:
         """Settings and random streams of the slots `index` (a compacted tick; `store` writes the
@@ -154,8 +178,7 @@ class SlotSampler:
         sub.num_slots = int(index.shape[0])
         for name in _PER_SLOT:
             setattr(sub, name, getattr(self, name).index_select(0, index))
-        sub._derived_key = None
-        sub._derived = ()
+        sub._derived, sub._derived_version = {}, {}
         return sub
 
     def view(self, slot: int) -> SlotSampler:
@@ -164,8 +187,7 @@ class SlotSampler:
         sub.num_slots = 1
         for name in _PER_SLOT:
             setattr(sub, name, getattr(self, name)[slot : slot + 1])
-        sub._derived_key = None
-        sub._derived = ()
+        sub._derived, sub._derived_version = {}, {}
         return sub
 
     def store(self, index: torch.Tensor, sub: SlotSampler) -> None:
@@ -194,19 +216,21 @@ class SlotSampler:
         self._version += 1
 
     def prepare_tick(self, active: list[bool]) -> bool:
-        """Before a tick: the candidate widths, and True when any active slot samples (host-side
-        only: the noise itself is computed inside the tick)."""
+        """Before a tick: the candidate widths (and, static, whether the wide pair is needed), and
+        True when any active slot samples (host-side only: the noise is computed in the tick)."""
         drawing = [s for s in sorted(self.sampling_slots) if active[s]]
-        if self.always_full:
-            self.text_width, self.audio_width = self.text_card, self.card
+        k_text = max((self._k_text[s] for s in drawing), default=1)
+        k_audio = max((self._k_audio[s] for s in drawing), default=1)
+        if self.static:
+            narrow_text, narrow_audio = self.static_widths(False)
+            self.wide = k_text > narrow_text or k_audio > narrow_audio
+            self.text_width, self.audio_width = self.static_widths(self.wide)
         elif drawing:
-            self.text_width = max(self._k_text[s] for s in drawing)
-            self.audio_width = max(self._k_audio[s] for s in drawing)
-        sampling = bool(drawing) or self.always_full
+            self.text_width, self.audio_width = k_text, k_audio
+        sampling = bool(drawing) or self.static
         if sampling:
             self._constants()  # refresh outside any graph replay
-            self._hash_of(self.text_width)
-            self._hash_of(self.audio_width)
+            self._hash_of(max(self.text_width, self.audio_width))
         return sampling
 
     def advance(self, active: torch.Tensor | None) -> None:
@@ -226,17 +250,21 @@ class SlotSampler:
         return table
 
     def draw(self) -> None:
-        """This tick's noise for every slot: the text stream [B, text_width] and the audio
-        streams [B, dep_q, audio_width], two batched computations (inside the tick)."""
-        ids = self._stream_ids
-        text = exponential_noise(self.key, self.step, ids[:1], self.streams, self._hash_of(self.text_width))
-        audio = exponential_noise(self.key, self.step, ids[1:], self.streams, self._hash_of(self.audio_width))
-        self._text_noise, self._audio_noise = text[:, 0], audio
+        """This tick's noise for every slot and stream in one computation (inside the tick): the
+        text stream [B, text_width] and the audio streams [B, dep_q, audio_width], by rank (a
+        value depends on its rank, not on the width computed), infinite past each slot's top-k."""
+        widths = (self.text_width, self.audio_width)
+        width = max(widths)
+        noise = exponential_noise(self.key, self.step, self._stream_ids, self.streams, self._hash_of(width))
+        _, _, text_keep, _, _, audio_keep = self._constants()
+        self._text_noise = torch.where(text_keep, noise[:, 0, : widths[0]], torch.inf)
+        self._audio_noise = torch.where(audio_keep[:, None, :], noise[:, 1:, : widths[1]], torch.inf)
 
     def _constants(self) -> tuple[torch.Tensor, ...]:
-        """Guards and top-k masks, rebuilt only when settings or widths change (not per call)."""
-        key = (self._version, self.text_width, self.audio_width)
-        if self._derived_key != key:
+        """Guards and top-k masks for the current widths, rebuilt only when settings changed
+        since they were last made, in place: a captured CUDA graph reads these buffers."""
+        key = (self.text_width, self.audio_width)
+        if self._derived_version.get(key) != self._version:
             one = torch.ones_like(self.text_temperature)
             text_best = self.greedy | (self.text_temperature <= 0)
             audio_best = self.greedy | (self.audio_temperature <= 0)
@@ -250,28 +278,29 @@ class SlotSampler:
                 torch.where(audio_best, one, self.audio_temperature),
                 rank_a < self.audio_topk[:, None],
             )
-            if self._derived and all(a.shape == b.shape for a, b in zip(self._derived, fresh, strict=True)):
-                for buffer, value in zip(self._derived, fresh, strict=True):
-                    buffer.copy_(value)  # in place: a captured CUDA graph reads these buffers
+            current = self._derived.get(key)
+            if current is not None and all(a.shape == b.shape for a, b in zip(current, fresh, strict=True)):
+                for buffer, value in zip(current, fresh, strict=True):
+                    buffer.copy_(value)
             else:
-                self._derived = fresh
-            self._derived_key = key
-        return self._derived
+                self._derived[key] = fresh
+            self._derived_version[key] = self._version
+        return self._derived[key]
 
     def text(self, logits: torch.Tensor, sampling: bool) -> torch.Tensor:
         best = logits.argmax(dim=-1)
         if not sampling:
             return best
-        pick, safe_t, keep, _, _, _ = self._constants()
+        pick, safe_t, _, _, _, _ = self._constants()
         if self._text_noise is None:
             self.draw()
         assert self._text_noise is not None
-        return _draw(logits, best, safe_t, keep, pick, self._text_noise, self.text_width)
+        return _draw(logits, best, safe_t, pick, self._text_noise, self.text_width)
 
     def audio(self, logits: torch.Tensor, codebook: int, sampling: bool) -> torch.Tensor:
         best = logits.argmax(dim=-1)
         if not sampling:
             return best
-        _, _, _, pick, safe_t, keep = self._constants()
+        _, _, _, pick, safe_t, _ = self._constants()
         assert self._audio_noise is not None, "draw() before audio()"
-        return _draw(logits, best, safe_t, keep, pick, self._audio_noise[:, codebook], self.audio_width)
+        return _draw(logits, best, safe_t, pick, self._audio_noise[:, codebook], self.audio_width)

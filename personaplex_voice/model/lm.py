@@ -14,19 +14,23 @@ Token bookkeeping (delays, forcing) lives in `personaplex_voice.engine.tokens`, 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from personaplex_voice.model import fused_ops
 from personaplex_voice.model.config import LMConfig
-from personaplex_voice.model.quant import linear, storage_key, weight_rows
+from personaplex_voice.model.embedding_tables import PackedEmbeddings
+from personaplex_voice.model.quant import Weight, linear, pack_rows, storage_key, weight_rows
+from personaplex_voice.model.rope import rope_tables, rotate
 from personaplex_voice.model.streaming import StepContext, StreamState, init_state, name_streaming_modules
 from personaplex_voice.model.transformer import (
     ActivationGating,
     LayerScale,
     StreamingTransformer,
-    apply_rope,
+    add_then_norm,
     make_norm,
 )
 
@@ -77,6 +81,8 @@ class _DepformerLayer(nn.Module):
 class Depformer(nn.Module):
     """The depth transformer: `dep_q` sequential steps, a fresh causal attention every tick."""
 
+    FUSED_FLAGS: ClassVar[dict[str, str]] = {"step_attention": "fused_attention"}
+
     def __init__(self, cfg: LMConfig):
         super().__init__()
         self.cfg = cfg
@@ -94,6 +100,9 @@ class Depformer(nn.Module):
         self.layers = nn.ModuleList(
             [_DepformerLayer(cfg, num_weights, ff) for _ in range(cfg.depformer_num_layers)]
         )
+        self._kv_buffers: dict[tuple, list[torch.Tensor]] = {}
+        # a step's key/value append and attention as one kernel (fused_ops.step_attention_op)
+        self.fused_attention = False
 
     def _step_weights(self, device: torch.device) -> list[list[tuple]]:
         """Per step, per layer: the weights the step uses (views built once, not per tick)."""
@@ -113,9 +122,7 @@ class Depformer(nn.Module):
                             weight_rows(attn.out_proj.weight, w, self.dim),
                             None if isinstance(layer.layer_scale_1, nn.Identity) else layer.layer_scale_1,
                             layer.norm2,
-                            gating.linear_in.weight,
-                            gating.linear_out.weight,
-                            gating.activation,
+                            gating,
                             None if isinstance(layer.layer_scale_2, nn.Identity) else layer.layer_scale_2,
                         )
                     )
@@ -132,38 +139,52 @@ class Depformer(nn.Module):
         return self._weights
 
     def forward_step(
-        self, x: torch.Tensor, step: int, keys: list[torch.Tensor], values: list[torch.Tensor]
+        self, x: torch.Tensor, step: int, kv: list[torch.Tensor], x_added: torch.Tensor
     ) -> torch.Tensor:
-        """One depformer step for every slot. x [B, dim]; keys/values: per-layer caches [B, H, steps, D]."""
+        """One depformer step for every slot on the input x + x_added [B, dim] (summed inside
+        the first norm). kv: per layer, this tick's keys and values [B, 2, H, steps, D]
+        (entries past `step` hold an earlier tick's values, masked)."""
         B = x.shape[0]
         H, D = self.num_heads, self.dim // self.num_heads
         weights = self._step_weights(x.device)[step]
         mask = self._masks[step]
+        first = max(0, step + 2 - self.steps)  # the entries this step attends: first..step
         h = x[:, None]
-        for li, (norm1, w_in, w_out, ls1, norm2, g_in, g_out, act, ls2) in enumerate(weights):
-            y = norm1.forward(h)
-            q, k, v = linear(y[:, 0], w_in).view(B, 3, H, 1, D).unbind(1)
-            if self.rope_period is not None:
-                pos = torch.full((B, 1), step, device=x.device, dtype=torch.long)
-                q, k = apply_rope(q, k, pos, self.rope_period)
-            keys[li][:, :, step : step + 1] = k
-            values[li][:, :, step : step + 1] = v
-            out = F.scaled_dot_product_attention(q, keys[li], values[li], mask)
+        pending = x_added[:, None]  # added inside the next norm (here: the input's second part)
+        for li, (norm1, w_in, w_out, ls1, norm2, gating, ls2) in enumerate(weights):
+            h, y = add_then_norm(norm1, h, pending)
+            qkv = linear(y[:, 0], w_in).view(B, 3, H, D)
+            if self.rope_period is None and self.fused_attention:
+                out = fused_ops.step_attention_op(qkv, kv[li], step, first)
+            else:
+                if self.rope_period is not None:
+                    positions = torch.full((B, 1), step, device=x.device, dtype=torch.long)
+                    qk = rotate(qkv[:, None, :2], rope_tables(positions, D, self.rope_period))[:, 0]
+                    kv[li][:, 0, :, step] = qk[:, 1]
+                    kv[li][:, 1, :, step] = qkv[:, 2]
+                    q = qk[:, 0, :, None]
+                else:
+                    kv[li][:, :, :, step] = qkv[:, 1:]  # k and v of this step in one copy
+                    q = qkv[:, 0, :, None]  # [B, H, 1, D]
+                out = F.scaled_dot_product_attention(q, kv[li][:, 0], kv[li][:, 1], mask)
             out = linear(out.reshape(B, self.dim), w_out)[:, None]
-            h = h + (out if ls1 is None else ls1.forward(out))
-            g = linear(norm2.forward(h), g_in)
-            g = g.view(*g.shape[:-1], 2, -1)
-            g = linear(act(g[..., 0, :]) * g[..., 1, :], g_out)
-            h = h + (g if ls2 is None else ls2.forward(g))
-        return h[:, 0]
+            h, y = add_then_norm(norm2, h, out if ls1 is None else ls1.forward(out))
+            update = gating.forward(y)
+            pending = update if ls2 is None else ls2.forward(update)
+        assert pending is not None
+        return (h + pending)[:, 0]
 
-    def new_caches(
-        self, batch: int, device: torch.device, dtype: torch.dtype
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        shape = (batch, self.num_heads, self.steps, self.dim // self.num_heads)
-        keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
-        values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
-        return keys, values
+    def kv_buffers(self, batch: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The per-layer key/value buffers of a tick [B, 2, H, steps, D], made once per batch
+        size and reused (static addresses for a CUDA graph; no zeroing per tick: an entry is
+        written before any step attends to it)."""
+        key = (batch, device, dtype)
+        buffers = self._kv_buffers.get(key)
+        if buffers is None:
+            shape = (batch, 2, self.num_heads, self.steps, self.dim // self.num_heads)
+            buffers = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+            self._kv_buffers[key] = buffers
+        return buffers
 
 
 class LMModel(nn.Module):
@@ -202,10 +223,24 @@ class LMModel(nn.Module):
         )
         self.depformer_text_emb = nn.Embedding(cfg.text_card + 1, cfg.depformer_dim)
         self.depformer = Depformer(cfg)
+        self._input_key: tuple | None = None
+        # packed weights and tables (a dict: nn.Module would register an Int8Weight as a submodule)
+        self._packed: dict[str, Weight | PackedEmbeddings] = {}
         self.linears = nn.ModuleList(
             [nn.Linear(cfg.depformer_dim, cfg.card, bias=False) for _ in range(cfg.dep_q)]
         )
         name_streaming_modules(self)
+
+    def depformer_input_weight(self) -> Weight:
+        """The depformer's input projections as one [steps * depformer_dim, dim] weight. The
+        per-step weights (checkpoint names unchanged) are rebound as row views of it, so it costs
+        no memory; rebuilt when the weights were replaced (a load, int8 quantization)."""
+        weights = [m.weight for m in self.depformer_in]
+        key = tuple(storage_key(w) for w in weights)
+        if self._input_key != key:
+            self._packed["depformer_in"] = pack_rows(self.depformer_in, "weight")
+            self._input_key = tuple(storage_key(m.weight) for m in self.depformer_in)
+        return self._packed["depformer_in"]
 
     @property
     def initial_token_id(self) -> int:
@@ -237,12 +272,23 @@ class LMModel(nn.Module):
             else:
                 value[slot] = 0
 
+    def _tables(self, name: str, modules: list[nn.Embedding]) -> PackedEmbeddings:
+        """`modules`' tables packed into one storage (model/embedding_tables.py), made at first
+        use and again after their weights were replaced."""
+        tables = self._packed.get(name)
+        if not isinstance(tables, PackedEmbeddings) or tables.stale(modules):
+            tables = PackedEmbeddings(modules)
+            self._packed[name] = tables
+        return tables
+
     def embed_codes(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, 17, T] -> summed input embeddings [B, T, dim] (published summation order)."""
-        x = embed(tokens[:, 1], self.emb[0].weight)
-        for i in range(1, self.n_q):
-            x = x + embed(tokens[:, i + 1], self.emb[i].weight)
-        return x + embed(tokens[:, 0], self.text_emb.weight)
+        """tokens [B, 17, T] -> summed input embeddings [B, T, dim] (published summation order:
+        audio codebooks 1..n_q, then the text)."""
+        e = self._tables("embeddings", [self.text_emb, *self.emb]).lookup_all(tokens)  # [B, 17, T, dim]
+        x = e[:, 1]
+        for i in range(2, self.n_q + 1):
+            x = x + e[:, i]
+        return x + e[:, 0]
 
     def forward_embeddings(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, dim] -> (normed hidden [B, T, dim], text logits [B, T, text_card])."""
@@ -266,15 +312,17 @@ class LMModel(nn.Module):
         float32 logits into `logits_out` [B, dep_q, card] when given.
         """
         B = hidden.shape[0]
-        keys, values = self.depformer.new_caches(B, hidden.device, hidden.dtype)
+        kv = self.depformer.kv_buffers(B, hidden.device, hidden.dtype)
+        # Every step's input projection reads the same hidden state: one matmul for all of them.
+        inputs = linear(hidden, self.depformer_input_weight()).view(B, -1, self.depformer.dim)
+        multi = inputs.shape[1] > 1
+        tables = self._tables("depformer_embeddings", [self.depformer_text_emb, *self.depformer_emb])
         prev = text_token
         sampled = []
-        multi = len(self.depformer_in) > 1
         for cb in range(self.dep_q):
-            x = linear(hidden, self.depformer_in[cb if multi else 0].weight)
-            emb = self.depformer_text_emb if cb == 0 else self.depformer_emb[cb - 1]
-            x = x + embed(prev, emb.weight)
-            out = self.depformer.forward_step(x, cb, keys, values)
+            # the step's input (projection + embedding of the previous token) is summed in the
+            # first layer's norm: one kernel on a GPU
+            out = self.depformer.forward_step(inputs[:, cb if multi else 0], cb, kv, tables.lookup(prev, cb))
             logits = linear(out, self.linears[cb].weight).float()
             if logits_out is not None:
                 logits_out[:, cb] = logits

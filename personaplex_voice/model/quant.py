@@ -26,9 +26,13 @@ which is `F.linear` for a plain tensor (the float path is untouched, bit for bit
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("none", "int8")
 _QMAX = 127.0
@@ -43,6 +47,7 @@ INT_MM_MIN_ROWS = 17
 INT_MM_TOLERANCE = 0.05
 # Per device: whether `_int_mm` runs and agrees there (checked at first use).
 _int_mm_ok: dict[str, bool] = {}
+_int_mm_why: dict[str, str] = {}
 # "auto": `_int_mm` on CUDA where it checks out; "dequant": never (`set_int8_matmul`).
 INT8_MATMUL_MODES = ("auto", "dequant")
 
@@ -120,7 +125,8 @@ def int_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torc
 
 
 def int_mm_usable(device: torch.device) -> bool:
-    """`torch._int_mm` runs on `device` and agrees with the dequantising product (checked once)."""
+    """`torch._int_mm` runs on `device` and agrees with the dequantising product (checked once;
+    why not: `int_mm_failure`)."""
     key = str(device)
     if key not in _int_mm_ok:
         try:
@@ -132,9 +138,19 @@ def int_mm_usable(device: torch.device) -> bool:
             want = dequant_linear(x, weight.q, weight.scale).float()
             error = float((got - want).abs().max() / want.abs().max())
             _int_mm_ok[key] = error < INT_MM_TOLERANCE
-        except Exception:
+            if not _int_mm_ok[key]:
+                _int_mm_why[key] = f"torch._int_mm is off by {error:.3g} of the dequantising product"
+        except Exception as exc:
             _int_mm_ok[key] = False
+            _int_mm_why[key] = " ".join(f"torch._int_mm failed: {type(exc).__name__}: {exc}".split())[:300]
+        if not _int_mm_ok[key]:
+            log.warning("int8 weights on %s: %s; dequantising instead", key, _int_mm_why[key])
     return _int_mm_ok[key]
+
+
+def int_mm_failure(device: torch.device) -> str | None:
+    """Why `torch._int_mm` is not used on `device` (None: it is, or it was not checked yet)."""
+    return _int_mm_why.get(str(device))
 
 
 Weight = torch.Tensor | Int8Weight
@@ -152,6 +168,28 @@ def weight_rows(weight: Weight, index: int, rows_per_block: int) -> Weight:
     if isinstance(weight, Int8Weight):
         return weight.rows(index, rows_per_block)
     return weight.view(-1, rows_per_block, weight.shape[-1])[index]
+
+
+def pack_rows(modules: nn.ModuleList, attr: str) -> Weight:
+    """The `attr` weights of `modules` ([rows, in] each, same shape) stacked by rows into one
+    weight, and each module's weight rebound as a row view of it: one matmul can then do the work
+    of all of them, and no second copy is kept. A single module's weight is returned as it is."""
+    weights = [getattr(m, attr) for m in modules]
+    if len(weights) == 1:
+        return weights[0]
+    rows = weights[0].shape[0]
+    if all(isinstance(w, Int8Weight) for w in weights):
+        packed = Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+        packed.fused = weights[0].fused
+        for i, module in enumerate(modules):
+            setattr(module, attr, packed.rows(i, rows))
+        return packed
+    if any(isinstance(w, Int8Weight) for w in weights):
+        raise ValueError("cannot pack int8 and float weights together")
+    stacked = torch.cat([w.detach() for w in weights])
+    for i, module in enumerate(modules):
+        module._parameters[attr] = nn.Parameter(stacked[i * rows : (i + 1) * rows], requires_grad=False)
+    return stacked
 
 
 def storage_key(weight: Weight) -> tuple[int, torch.dtype, torch.device]:
@@ -205,6 +243,8 @@ def set_int8_matmul(model: nn.Module, mode: str) -> None:
             module.fused = mode == "auto"
         if hasattr(module, "_weights_key"):  # per-step row views (the depth transformer): rebuild
             module._weights_key = None
+        if hasattr(module, "_input_key"):  # packed input projections (the depth transformer's)
+            module._input_key = None
 
 
 def linear_weight_bytes(model: nn.Module) -> tuple[int, int]:

@@ -23,6 +23,7 @@ class EuclideanCodebook(nn.Module):
         self.register_buffer("embedding_sum", torch.zeros(bins, dim))
         self._embedding: torch.Tensor | None = None
         self._padded: torch.Tensor | None = None
+        self._ones_cols: dict[tuple, torch.Tensor] = {}
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -53,9 +54,18 @@ class EuclideanCodebook(nn.Module):
         if self._embedding.shape[0] <= 25 and x.shape[0] <= 25:  # cdist's direct (non-matmul) path
             return torch.cdist(x[None], self.embedding[None], p=2)[0].argmin(dim=-1)
         x_norm = x.pow(2).sum(-1, keepdim=True)
-        padded = torch.cat([x.mul(-2), x_norm, torch.ones_like(x_norm)], -1)
+        padded = torch.cat([x.mul(-2), x_norm, self._ones(x_norm)], -1)
         dists = padded.matmul(self._padded.mT).clamp_min_(0).sqrt_()
         return dists.argmin(dim=-1)
+
+    def _ones(self, like: torch.Tensor) -> torch.Tensor:
+        """A column of ones like `like` [N, 1], made once per shape, never replaced (a captured
+        CUDA graph keeps reading the one it was captured with)."""
+        key = (tuple(like.shape), like.dtype, like.device)
+        ones = self._ones_cols.get(key)
+        if ones is None:
+            ones = self._ones_cols[key] = torch.ones_like(like)
+        return ones
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         return F.embedding(codes, self.embedding)

@@ -13,14 +13,16 @@ numbers are the byte counts of exactly the tensors the engine creates.
 
 `tick_traffic` counts the bytes one tick moves through GPU memory, which bounds its time from
 below on a memory-bound decode: every linear weight read once (the depth transformer's steps
-each read their own), every slot's whole KV ring read once per layer (static shapes: the ring is
-read whatever its fill). For int8 weights and fp8 caches it gives both the read that converts
-in registers ("now": `torch._int_mm`, the fp8 Triton kernel) and the one that materialises a
-bfloat16 copy first ("old": read 1, write 2, read 2 bytes per element).
+each read their own) and, per layer, the filled entries of every active slot's KV ring (the
+length-aware decode attention, `model/ring_attention.py`; an fp8 cache read directly) beside
+what the static tick read before (every slot's whole ring, filled or not, active or not), and
+Mimi's transformer rings (float32, read whole). For int8 weights it gives both the fused read
+(`torch._int_mm`) and the dequantising one (read 1, write 2, read 2 bytes per weight).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -124,67 +126,126 @@ class TickTraffic:
 
     weights: int  # linear weights (+ Mimi), as read now
     weights_old: int  # the same through a bfloat16 copy (int8 dequantised); = weights otherwise
-    kv: int  # every slot's KV ring, as read now
-    kv_old: int  # through a per-layer bfloat16 copy (fp8 converted); = kv otherwise
+    kv: int  # the LM's KV cache as read now: the filled entries of active slots only
+    kv_whole_ring: int  # as the static tick read it before: every slot's whole ring
+    kv_convert: int  # the whole ring through a per-layer bfloat16 copy (an fp8 cache converted)
+    codec_kv: int  # Mimi's two transformers' rings (float32, read whole by SDPA: 2 positions a tick)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv
+        return self.weights + self.kv + self.codec_kv
 
     @property
-    def total_old(self) -> int:
-        return self.weights_old + self.kv_old
+    def total_before(self) -> int:
+        return self.weights + self.kv_whole_ring + self.codec_kv
 
     def floor_ms(self, bytes_per_s: float = H200_BYTES_PER_S) -> float:
         """The tick's time if moving these bytes were all it did."""
         return 1000 * self.total / bytes_per_s
 
+    def floor_before_ms(self, bytes_per_s: float = H200_BYTES_PER_S) -> float:
+        return 1000 * self.total_before / bytes_per_s
+
+
+_WEIGHT_COUNTS: dict[str, tuple[int, int, int]] = {}
+
+
+def _weight_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(elements of the LM's linear weights, their rows, Mimi's bytes), from a meta build (made
+    once per config: building the 7B, even on meta, takes a few seconds)."""
+    key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    counts = _WEIGHT_COUNTS.get(key)
+    if counts is None:
+        with torch.device("meta"):
+            lm = LMModel(cfg.lm).to(torch.bfloat16)
+            mimi = Mimi(cfg)
+        state = lm.state_dict()
+        names = quantizable_weights(lm)
+        counts = (
+            sum(state[name].numel() for name in names),
+            sum(state[name].shape[0] for name in names),
+            _nbytes(mimi.state_dict()),
+        )
+        _WEIGHT_COUNTS[key] = counts
+    return counts
+
+
+def kv_bytes_per_position(cfg: ModelConfig, kv_dtype: torch.dtype | None = None) -> int:
+    """One position of one slot's LM KV cache, all layers, keys and values."""
+    element = torch.empty(0, dtype=kv_dtype or torch.bfloat16).element_size()
+    return cfg.lm.num_layers * 2 * cfg.lm.dim * element
+
 
 def tick_traffic(
-    cfg: ModelConfig, slots: int, *, quantize: str | None = None, kv_dtype: torch.dtype | None = None
+    cfg: ModelConfig,
+    slots: int,
+    *,
+    quantize: str | None = None,
+    kv_dtype: torch.dtype | None = None,
+    active: int | None = None,
+    filled: int | None = None,
 ) -> TickTraffic:
-    with torch.device("meta"):
-        lm = LMModel(cfg.lm).to(torch.bfloat16)
-        mimi = Mimi(cfg)
-    state = lm.state_dict()
-    linear = sum(state[name].numel() for name in quantizable_weights(lm))
-    rows = sum(state[name].shape[0] for name in quantizable_weights(lm))
-    mimi_bytes = _nbytes(mimi.state_dict())
+    """The bytes of one tick with `slots` slots, `active` of them in a call (default all) whose
+    LM rings hold `filled` positions each (default: full, the context)."""
+    linear, rows, mimi_bytes = _weight_counts(cfg)
     if quantize == "int8":
         weights = linear + 2 * rows + mimi_bytes
         weights_old = linear * (1 + 2 + 2) + 2 * rows + mimi_bytes
     else:
         weights = weights_old = 2 * linear + mimi_bytes
-    lm.set_kv_dtype(kv_dtype)
-    kv_elements = sum(t.numel() for k, t in lm.init_state(slots, "meta").items() if k.endswith((":k", ":v")))
-    if kv_dtype is not None and torch.empty(0, dtype=kv_dtype).element_size() == 1:
-        kv, kv_old = kv_elements, kv_elements * (1 + 2 + 2)
-    else:
-        kv = kv_old = kv_elements * 2
-    return TickTraffic(weights=weights, weights_old=weights_old, kv=kv, kv_old=kv_old)
+    context = cfg.lm.context
+    active = slots if active is None else active
+    filled = context if filled is None else min(filled, context)
+    position = kv_bytes_per_position(cfg, kv_dtype)
+    whole = slots * context * position
+    convert = whole if position == kv_bytes_per_position(cfg) else whole * (1 + 2 + 2)
+    codec = cfg.mimi.transformer
+    codec_kv = slots * 2 * codec["num_layers"] * 2 * codec["context"] * codec["d_model"] * 4
+    return TickTraffic(
+        weights=weights,
+        weights_old=weights_old,
+        kv=active * filled * position,
+        kv_whole_ring=whole,
+        kv_convert=convert,
+        codec_kv=codec_kv,
+    )
 
 
-def traffic_table(cfg: ModelConfig | None = None, slots: tuple[int, ...] = TRAFFIC_SLOTS) -> str:
-    """The markdown table of docs/engine.md ("Memory traffic per tick") for the 7B model."""
+# (label, slots, active, seconds of context filled): the rows of docs/engine.md's traffic table
+TRAFFIC_ROWS = (
+    ("64 calls, 20 s in", 64, 64, 20),
+    ("64 calls, 120 s in", 64, 64, 120),
+    ("64 calls, 240 s in (ring full)", 64, 64, 240),
+    ("8 of 64 slots in a call, 120 s in", 64, 8, 120),
+    ("128 calls, 120 s in", 128, 128, 120),
+)
+
+
+def traffic_table(cfg: ModelConfig | None = None, rows: tuple = TRAFFIC_ROWS) -> str:
+    """The markdown table of docs/engine.md ("Memory traffic per tick") for the 7B model:
+    bytes now (the length-aware decode) beside before (every slot's whole ring every tick)."""
     cfg = cfg or ModelConfig.personaplex_7b()
-    rows = [
+    kinds = [
         ("bfloat16", "bfloat16", None, None),
         ("bfloat16", "float8", None, torch.float8_e4m3fn),
         ("int8", "bfloat16", "int8", None),
         ("int8", "float8", "int8", torch.float8_e4m3fn),
     ]
     head = (
-        "| LM weights | KV cache | slots | weights (GB) | KV (GB) | per tick now (GB) | "
-        "per tick before (GB) | floor at 4.3 TB/s now (ms) | before (ms) |"
+        "| LM weights | KV cache | slots | weights (GB) | LM KV now (GB) | LM KV before (GB) | "
+        "Mimi KV (GB) | per tick now (GB) | floor at 4.3 TB/s now (ms) | before (ms) |"
     )
-    lines = [head, "|" + " --- |" * 9]
-    for weights_name, kv_name, quantize, kv in rows:
-        for n in slots:
-            t = tick_traffic(cfg, n, quantize=quantize, kv_dtype=kv)
-            before_ms = 1000 * t.total_old / H200_BYTES_PER_S
+    lines = [head, "|" + " --- |" * 10]
+    for weights_name, kv_name, quantize, kv in kinds:
+        for label, slots, active, seconds in rows:
+            if (kv is None and slots > 64) or (kv is not None and active < slots):
+                continue  # bfloat16 KV: up to 64 calls; fp8: the full-batch rows
+            filled = int(seconds * cfg.frame_rate)
+            t = tick_traffic(cfg, slots, quantize=quantize, kv_dtype=kv, active=active, filled=filled)
             lines.append(
-                f"| {weights_name} | {kv_name} | {n} | {t.weights / GB:.1f} | {t.kv / GB:.1f} | "
-                f"{t.total / GB:.1f} | {t.total_old / GB:.1f} | {t.floor_ms():.1f} | {before_ms:.1f} |"
+                f"| {weights_name} | {kv_name} | {label} | {t.weights / GB:.1f} | {t.kv / GB:.1f} | "
+                f"{t.kv_whole_ring / GB:.1f} | {t.codec_kv / GB:.1f} | {t.total / GB:.1f} | "
+                f"{t.floor_ms():.1f} | {t.floor_before_ms():.1f} |"
             )
     return "\n".join(lines)
 

@@ -58,12 +58,12 @@ def init_state(root: nn.Module, batch: int, device: torch.device | str, dtype: t
 
 
 def commit(buffer: torch.Tensor, new: torch.Tensor, active: torch.Tensor | None) -> None:
-    """buffer <- new for active slots only (in place, static shapes)."""
+    """buffer <- new for active slots only (in place, static shapes; one operation)."""
     if active is None:
         buffer.copy_(new)
     else:
         mask = active.view(-1, *([1] * (buffer.dim() - 1)))
-        buffer.copy_(torch.where(mask, new, buffer))
+        torch.where(mask, new, buffer, out=buffer)
 
 
 def reset_slot(state: StreamState, fresh: StreamState, slot: int) -> None:
