@@ -445,6 +445,7 @@ class PhoneStream:
     async def _open_session(self) -> None:
         manager = self.services.manager()
         try:
+            await manager.headroom.arrivals.turn()  # behind the calls in progress (engine/arrivals.py)
             # The persona (its prompt rendered for this call) is the one our answer reserved the
             # slot for, carried by the ticket.
             self.session = await manager.open(None, ticket=self.ticket)
