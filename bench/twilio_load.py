@@ -4,6 +4,8 @@
         [--ramp-ms 10] [--all-levels]
     .venv/bin/python bench/twilio_load.py --ramp [--message-ms 20,40,80] [--ramp-rate 5] [--hold-s 10]
         [--cost-calls 50] [--cost-rounds 2]
+    .venv/bin/python bench/twilio_load.py --burst 20,40,60,200 [--burst-gap-ms 20] [--burst-hold-s 8]
+        [--burst-admission on,off]
 
 1. Bridge delay: an impulse crosses the bridge's audio path in and out (μ-law 8 kHz -> 24 kHz
    in 20 ms messages, then 80 ms engine frames -> 8 kHz μ-law), with the engine frame itself
@@ -36,10 +38,24 @@
    else those running when the first bad second came), degraded calls, the server's CPU per
    call-second, what the server counted as dropped or inserted, /readyz at the end. Then the
    CPU per call-second of each size at `--cost-calls` calls, sizes in turn for `--cost-rounds`.
+   Also per size: the playout underruns the callers heard (a message after their buffer of
+   ours ran dry), and how many fell within a second of some call's offer.
+
+5. Burst (`--burst`): for each level and admission mode, a fresh server (slots for any load,
+   its saturation policy on or off: `PERSONAPLEX_SATURATION`); the level's calls offered
+   `--burst-gap-ms` apart (each offer in its own task, from one shared HTTP client: the
+   simulators must not be what is slow), each admitted call talking until `--burst-hold-s` after
+   the last offer, then judged by the per-second rule. Printed per run: admitted, busy, degraded
+   admitted calls, the underruns the callers heard (how many, how much silence, when: seconds
+   after the first offer, and how many within a second of an offer), the server's own count of
+   underrun silence and its slips by reason, the webhook answer times. Last line: the table,
+   the clean capacity with admission off (the most calls admitted at a level where none
+   degraded) and each admission-on level's admitted calls over it.
 
 Last line: {"max_calls_no_late_frames": …, "p99_outbound_jitter_ms": …, "bridge_delay_ms": …,
 "records_extra_cpu_ms_per_call_second": …, ...}; with --ramp: {"ramp": {size: {...}},
-"cpu_ms_per_call_second_by_message_ms": {...}, ...}
+"cpu_ms_per_call_second_by_message_ms": {...}, ...}; with --burst: {"burst": {"on:40": {...}, ...},
+"clean_capacity_admission_off": …, "admitted_over_clean_capacity": {...}}
 """
 
 from __future__ import annotations
@@ -753,7 +769,10 @@ def watch_headroom(base_url: str, trace: list[dict], done: threading.Event) -> N
                 "at": time.time(),
                 "active": body.get("active"),
                 "reserved": body.get("reserved"),
-                **{k: headroom.get(k) for k in ("saturated", "loop_load", "loop_lag_ms", "late_share")},
+                **{
+                    k: headroom.get(k)
+                    for k in ("saturated", "loop_load", "loop_lag_ms", "worst_gap_ms", "stalls", "late_share")
+                },
             }
         )
 

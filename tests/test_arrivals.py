@@ -18,8 +18,10 @@ time, and the burst's callers wait for their turns or, past their wait limit, ar
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -46,6 +48,7 @@ BURST_AT_S = 1.0
 SLICES = 3
 SLICE_S = 0.010
 SETTINGS = PhoneSettings()
+T = TypeVar("T")
 INBOUND_BUDGET_S = SETTINGS.inbound_slack_ms / 1000  # read later than this: the frame is late
 
 
@@ -199,3 +202,113 @@ def test_a_burst_of_set_ups_leaves_every_live_call_clean_and_its_callers_wait_or
         assert burst.refused > 0 and gate.refused == burst.refused
         assert len(burst.ready_after) > 0
     assert gate.waiting == 0
+
+
+# -- the gate's own rules, on the same virtual clock -------------------------------------------------
+
+
+def run_on(loop: VirtualLoop, main: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_admitted_calls_steps_go_before_new_offers_and_turns_are_spaced():
+    loop = VirtualLoop()
+    gate = ArrivalGate(ArrivalConfig(spacing_s=0.004), refusing=lambda: True)
+    order: list[tuple[str, float]] = []
+
+    async def step(name: str, offer: bool) -> None:
+        await gate.turn(offer=offer)
+        order.append((name, loop.time()))
+
+    async def main() -> None:
+        await asyncio.gather(step("offer1", True), step("offer2", True), step("admitted", False))
+
+    run_on(loop, main)
+    assert [name for name, _ in order] == ["admitted", "offer1", "offer2"]
+    times = [t for _, t in order]
+    assert all(b - a >= 0.004 - 1e-9 for a, b in itertools.pairwise(times))
+
+
+def test_a_loop_never_on_time_still_grants_a_turn_every_max_defer():
+    """Every probe finds the loop late (its CPU taken: here, a neighbour task that keeps it
+    busy); set-up slows down to a turn per `max_defer_s`, never stops."""
+    loop = VirtualLoop()
+    config = ArrivalConfig(max_defer_s=0.05)
+    gate = ArrivalGate(config, refusing=lambda: True)
+    granted: list[float] = []
+    busy = {"on": True}
+
+    async def neighbour() -> None:
+        while busy["on"]:
+            loop.spend(0.010)  # 10 ms of work, every iteration: timers are always late
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        hog = asyncio.ensure_future(neighbour())
+        for _ in range(5):
+            await gate.turn()
+            granted.append(loop.time())
+        busy["on"] = False
+        await hog
+
+    run_on(loop, main)
+    gaps = np.diff(granted)
+    assert gate.deferred > 0
+    assert all(config.max_defer_s - 0.001 <= g <= config.max_defer_s + 0.03 for g in gaps), gaps
+
+
+@pytest.mark.parametrize("refusing", [True, False])
+def test_offers_are_refused_past_their_wait_or_the_line_bound_only_while_refusals_are_on(refusing):
+    loop = VirtualLoop()
+    config = ArrivalConfig(max_wait_s=0.5, max_waiting=3, max_defer_s=10.0)
+    gate = ArrivalGate(config, refusing=lambda: refusing)
+    outcomes: list[str] = []
+
+    async def neighbour() -> None:  # keeps the loop late for 2 s: no turn on time
+        start = loop.time()
+        while loop.time() - start < 2.0:
+            loop.spend(0.010)
+            await asyncio.sleep(0)
+
+    async def offer() -> None:
+        try:
+            await gate.turn(offer=True)
+            outcomes.append("turn")
+        except SaturatedError:
+            outcomes.append("refused")
+
+    async def main() -> None:
+        hog = asyncio.ensure_future(neighbour())
+        await asyncio.gather(*(offer() for _ in range(4)))
+        await hog
+
+    run_on(loop, main)
+    # The 4th found 3 waiting: refused at once (a bounded line, whatever the policy). The 3
+    # others waited past 0.5 s: refused while refusals are on, else their turns came.
+    expected = ["refused"] * 4 if refusing else ["refused", "turn", "turn", "turn"]
+    assert outcomes == expected
+    assert gate.waiting == 0
+
+
+def test_a_cancelled_wait_leaves_the_line_and_a_disabled_gate_waits_for_nothing():
+    loop = VirtualLoop()
+    gate = ArrivalGate(ArrivalConfig(max_defer_s=10.0), refusing=lambda: True)
+
+    async def main() -> float:
+        loop.spend(0.1)  # the loop is late: the first probe will not grant
+        waiter = asyncio.ensure_future(gate.turn(offer=True))
+        await asyncio.sleep(0)
+        assert gate.waiting == 1
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert gate.waiting == 0
+        off = ArrivalGate(ArrivalConfig(enabled=False))
+        before = loop.time()
+        await off.turn(offer=True)
+        return loop.time() - before
+
+    assert run_on(loop, main) == 0.0
