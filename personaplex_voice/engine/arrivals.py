@@ -69,12 +69,13 @@ class ArrivalConfig:
             raise ValueError("max_waiting must be >= 1")
 
 
-@dataclass
+@dataclass(eq=False)  # one waiter is itself only (the lines remove it by identity)
 class _Waiter:
     future: asyncio.Future[None]
     since: float
     offer: bool
     expiry: asyncio.TimerHandle | None = None
+    granted: bool = False
 
 
 class ArrivalGate:
@@ -136,7 +137,8 @@ class ArrivalGate:
         finally:
             if waiter.expiry is not None:
                 waiter.expiry.cancel()
-            self._forget(waiter)
+            if not waiter.granted:  # cancelled or refused while waiting: out of the line
+                self._forget(waiter)
 
     # ---- internals (all on the bound loop) ----------------------------------------------------
 
@@ -189,6 +191,7 @@ class ArrivalGate:
     def _grant(self, waiter: _Waiter, now: float) -> None:
         line = self._admitted if not waiter.offer else self._offers
         line.popleft()
+        waiter.granted = True
         self._last_grant, self._deferred_since = now, None
         waited = now - waiter.since
         self.granted += 1
