@@ -196,8 +196,8 @@ def test_a_burst_of_set_ups_leaves_every_live_call_clean_and_its_callers_wait_or
     assert min(burst.ready_after) >= SLICES * SLICE_S
     if max_wait_s >= 4.0:
         assert burst.refused == 0 and gate.refused == 0
-        # The set-up work (three times the burst's length) spread out behind the live calls.
-        assert max(burst.ready_after) > SLICES * ARRIVALS * SLICE_S
+        # They waited their turns: on average far longer than their own set-up work.
+        assert float(np.mean(burst.ready_after)) > 3 * SLICES * SLICE_S and gate.max_wait_s > 0.1
     else:  # waited past their limit: busy, and the ones admitted still set up
         assert burst.refused > 0 and gate.refused == burst.refused
         assert len(burst.ready_after) > 0
@@ -243,7 +243,7 @@ def test_a_loop_never_on_time_still_grants_a_turn_every_max_defer():
 
     async def neighbour() -> None:
         while busy["on"]:
-            loop.spend(0.010)  # 10 ms of work, every iteration: timers are always late
+            loop.spend(0.025)  # 25 ms of work, every iteration: timers are always late
             await asyncio.sleep(0)
 
     async def main() -> None:
@@ -257,7 +257,8 @@ def test_a_loop_never_on_time_still_grants_a_turn_every_max_defer():
     run_on(loop, main)
     gaps = np.diff(granted)
     assert gate.deferred > 0
-    assert all(config.max_defer_s - 0.001 <= g <= config.max_defer_s + 0.03 for g in gaps), gaps
+    # (a turn's probe can only fire between two of the neighbour's 25 ms slices)
+    assert all(config.max_defer_s - 0.001 <= g <= config.max_defer_s + 0.06 for g in gaps), gaps
 
 
 @pytest.mark.parametrize("refusing", [True, False])
@@ -270,7 +271,7 @@ def test_offers_are_refused_past_their_wait_or_the_line_bound_only_while_refusal
     async def neighbour() -> None:  # keeps the loop late for 2 s: no turn on time
         start = loop.time()
         while loop.time() - start < 2.0:
-            loop.spend(0.010)
+            loop.spend(0.025)
             await asyncio.sleep(0)
 
     async def offer() -> None:

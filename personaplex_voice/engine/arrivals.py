@@ -54,9 +54,11 @@ class ArrivalConfig:
     # Between two turns at least: a set-up slice of a few ms then leaves the loop this long for
     # the calls in progress (at most ~250 set-up slices a second, whatever the loop's state).
     spacing_s: float = 0.004
-    # A probe that fires at most this late says the loop is on time. uvloop's timers have 1 ms
-    # resolution; a phone call's playout rides out ~40 ms (its cushion).
-    late_ok_s: float = 0.004
+    # A probe that fires at most this late says the loop is on time: a quarter of what a phone
+    # call's playout rides out (its 40 ms cushion), well above uvloop's 1 ms timer resolution and
+    # a busy machine's scheduling noise (a turn is one slice anyway: the loop runs whatever else
+    # is due between two).
+    late_ok_s: float = 0.010
     retry_s: float = 0.002  # after a late probe, look again this soon
     max_defer_s: float = 0.05  # the head of the line waits for an on-time loop at most this long
     max_wait_s: float = 4.0  # a new offer waiting longer than this is refused (refusals on)
@@ -104,7 +106,6 @@ class ArrivalGate:
         self._offers: deque[_Waiter] = deque()  # new calls
         self._probe: asyncio.TimerHandle | None = None
         self._last_grant = -math.inf
-        self._deferred_since: float | None = None  # the head's first late probe
         self.granted = 0
         self.refused = 0
         self.deferred = 0  # probes that found the loop late
@@ -152,7 +153,7 @@ class ArrivalGate:
         self._loop, self._probe = loop, None
         self._admitted.clear()
         self._offers.clear()
-        self._last_grant, self._deferred_since = -math.inf, None
+        self._last_grant = -math.inf
 
     def _head(self) -> _Waiter | None:
         for line in (self._admitted, self._offers):
@@ -180,9 +181,9 @@ class ArrivalGate:
         on_time = now - due <= config.late_ok_s
         if not on_time:
             self.deferred += 1
-            if self._deferred_since is None:
-                self._deferred_since = now
-        if on_time or now - (self._deferred_since or now) >= config.max_defer_s:
+        # The head has waited since it came, or since the previous turn when it came before it.
+        waited = now - max(head.since, self._last_grant)
+        if on_time or waited >= config.max_defer_s:
             self._grant(head, now)
             self._arm(loop)
         else:
@@ -192,7 +193,7 @@ class ArrivalGate:
         line = self._admitted if not waiter.offer else self._offers
         line.popleft()
         waiter.granted = True
-        self._last_grant, self._deferred_since = now, None
+        self._last_grant = now
         waited = now - waiter.since
         self.granted += 1
         self.max_wait_s = max(self.max_wait_s, waited)
