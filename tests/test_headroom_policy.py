@@ -404,3 +404,26 @@ def test_callers_whose_audio_comes_late_or_in_bursts_never_shut_the_door_on_othe
     for session in sessions:
         assert session.stats["late_frames"] > 40
         assert session.stats["inserted_ms"]["late_input"] > 0  # the caller's loss, counted per call
+
+
+def test_a_sessions_first_second_is_left_out_of_the_late_input_the_engine_reports():
+    """Four callers whose audio stalls in their first second (their start-up: the line finding
+    its phase against the ticks): each counts its own late frames, the engine's report of late
+    input (what `late_share` shows) leaves them out; the same stall a second later is in it."""
+    clock = FakeClock(T0)
+    engine = TimedEngine(clock, step_s=0.01, num_slots=4)
+    manager = fake_manager(clock, engine)
+    sessions = [join(manager) for _ in range(4)]
+    for session in sessions:
+        # Frames 2-5 come 0.3 s late (their ticks get silence); frames 22-25 likewise, later.
+        late = {k: 0.3 for k in (2, 3, 4, 5, 22, 23, 24, 25)}
+        caller(clock, session, start=T0 + 0.01, frames=40, late=late)
+    loads = []
+    clock.at(T0 + 0.95, lambda: loads.append(manager.scheduler.engine_load()))
+    clock.at(T0 + 2.4, lambda: loads.append(manager.scheduler.engine_load()))
+    run_until(clock, manager, T0 + 2.5)
+
+    early, later = loads
+    assert all(s.stats["late_frames"] >= 6 for s in sessions)  # each call counts its own
+    assert early.late_frames == 0  # but its start-up is not the engine's report
+    assert later.late_frames >= 8 and later.streaming_frames >= 40
