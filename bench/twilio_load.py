@@ -692,14 +692,23 @@ def burst(calls: int, gap_s: float, hold_s: float, admission: bool, processes: i
         for r in admitted
     ]
     answers = sorted(r["answer_ms"] for r in admitted if "answer_ms" in r)
+
+    def server_slipped(row: dict) -> bool:
+        metrics = records.get(row["call_sid"], {})
+        return any(sum((metrics.get(key) or {}).values()) > 0 for key in ("dropped_ms", "inserted_ms"))
+
     return {
         "offered": calls,
         "gap_ms": round(1000 * gap_s),
         "admission": admission,
         "admitted": len(admitted),
         "busy": sum(r.get("admitted") is False for r in rows),
+        "judged": len(judged),  # admitted calls with a whole second of speech to judge
         "degraded_admitted_calls": len(degraded),
         "degraded_while_simulator_late": sum(r["late_sends"] > 0 for r in degraded),
+        # degraded with nothing dropped or inserted by the server's own count for that call: the
+        # simulator heard its own stalls (it shares the machine), not the server's
+        "degraded_server_counted_nothing": sum(not server_slipped(r) for r in degraded),
         "worst_min_correlation": min((r["min_correlation"] for r in judged), default=None),
         "worst_delay_growth_ms": max((r["delay_growth_ms"] for r in judged), default=None),
         **underrun_timing(rows, plan),
@@ -752,7 +761,10 @@ def burst_table(levels: list[int], gap_s: float, hold_s: float, modes: list[bool
                 for k in (
                     "admitted",
                     "busy",
+                    "judged",
                     "degraded_admitted_calls",
+                    "degraded_while_simulator_late",
+                    "degraded_server_counted_nothing",
                     "playout_underruns",
                     "calls_with_underruns",
                     "underruns_within_1s_of_an_arrival",
