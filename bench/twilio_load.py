@@ -731,6 +731,39 @@ def burst(calls: int, gap_s: float, hold_s: float, admission: bool, processes: i
     }
 
 
+def setup_cost(calls: int = 20) -> dict:
+    """The server's CPU (all its threads) per call set up and torn down, one call at a time:
+    the signed webhook, the stream, a quarter second of line audio until the echo comes back,
+    the stop. Set-up is what a burst puts on the loop at once."""
+    import httpx
+    from support_server import running_server
+    from support_twilio import TwilioSimulator, parse_stream_twiml, sid
+
+    async def one(sim, client) -> None:
+        call_sid = sid("CA")
+        form = voice_form(call_sid)
+        headers = {"X-Twilio-Signature": sim.sign(sim.public_url + "/twilio/voice", form)}
+        answer = await client.post("/twilio/voice", data=form, headers=headers)
+        url, params = parse_stream_twiml(answer.text)
+        async with sim.media_stream(url, params, call_sid=call_sid) as call:
+            await call.answered()
+
+    async def run(url: str, pid: int) -> float:
+        sim = TwilioSimulator(url, AUTH_TOKEN)
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+            await one(sim, client)  # the first call's one-off costs (imports, filters) left out
+            cpu0 = cpu_seconds(pid)
+            for _ in range(calls):
+                await one(sim, client)
+            return cpu_seconds(pid) - cpu0
+
+    env = {**SERVER_ENV, **RAW_CAPACITY}
+    with running_server("--twilio", "--max-sessions", "8", "--log-level", "warning", env=env) as server:
+        cpu = asyncio.run(run(server.url, server.process.pid))
+    return {"setup_calls": calls, "server_cpu_ms_per_call_set_up_and_torn_down": round(1000 * cpu / calls, 1)}
+
+
 def renice(pid: int, nice: int) -> None:
     """Every thread of `pid` at `nice` (threads it starts later inherit it from theirs)."""
     if not nice:
@@ -754,7 +787,10 @@ def burst_table(levels: list[int], gap_s: float, hold_s: float, modes: list[bool
         (r["admitted"] for r in rows.values() if not r["admission"] and not r["degraded_admitted_calls"]),
         default=None,
     )
+    cost = setup_cost()
+    print(json.dumps(cost), flush=True)
     summary = {
+        **cost,
         "burst": {
             key: {
                 k: r[k]
