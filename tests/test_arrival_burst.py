@@ -4,12 +4,15 @@
 every test server: conftest.py; the set-up turns on, as served). Eight simulated Twilio calls
 talk, each its own speech; then sixteen more calls arrive within 200 ms, each with its signed
 webhook, its Media Stream (upgrade, `start`, the session's open) and a moment of line audio.
-The eight live callers run in a process of their own, so that the burst's client side (sixteen
-webhooks and WebSocket handshakes at once) cannot make *them* late: whatever they hear is the
+The eight live callers run in a process of their own and the burst in another, at a lower
+priority, so that the burst's client side (sixteen webhooks and WebSocket handshakes at once)
+can make neither the live callers nor the server late: whatever the live callers hear is the
 server's doing. Judged on what they heard and on the server's own counters, never on
 wall-clock sums: no silence of over 100 ms in any live call's audio, the echo's delay unchanged
 across the burst (silence put in would push it later), and every live call's record counting
-no silence put in (late input or playout underrun).
+no silence put in of the server's making: no playout underrun, and no late input beyond what
+the caller's own late sends explain (on a machine kept busy, the simulated caller itself can
+be late; that is its loss, as with any caller).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import base64
 import contextlib
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
@@ -52,6 +56,7 @@ ARRIVAL_SPAN_S = 0.2
 BEFORE_S = 2.0  # the live calls talk this long before the burst
 AFTER_S = 3.0  # and this long after it
 MAX_GAP_S = 0.100
+FRAME_MS = 80.0
 
 
 def voice_form(call_sid: str) -> dict[str, str]:
@@ -138,47 +143,64 @@ def live_callers(url: str, talking: Any, stop: Any, results: Any) -> None:
         raise
 
 
-# --- the burst (this process) ------------------------------------------------------------------
+# --- the burst (a process of its own, behind the others) -----------------------------------------
 
 
-async def arrive(sim: TwilioSimulator, client: httpx.AsyncClient, at: float) -> bool:
-    """One arriving call: offered at `at` (monotonic), streamed half a second, hung up."""
-    await asyncio.sleep(max(0.0, at - time.monotonic()))
-    call_sid = sid("CA")
-    url, params = parse_stream_twiml(await answer(sim, client, call_sid))
-    async with sim.media_stream(url, params, call_sid=call_sid) as call:
-        silence = np.zeros(160, np.float32)
-        for _ in range(25):
-            await call.play(silence)
-        return not call.closed.is_set()
+def burst_client(url: str, burst_at: float, results: Any) -> None:
+    """Sixteen calls arriving from `burst_at` (monotonic) on, within 200 ms: each its signed
+    webhook, its stream, half a second of line audio, its stop. Puts whether each got its stream.
+    At a lower priority than the server and the live callers: the burst's own client side (its
+    handshakes) is load of the test's, not of the server's, and must not take their CPU."""
+    os.nice(10)
+
+    async def arrive(sim: TwilioSimulator, client: httpx.AsyncClient, at: float) -> bool:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        call_sid = sid("CA")
+        stream_url, params = parse_stream_twiml(await answer(sim, client, call_sid))
+        async with sim.media_stream(stream_url, params, call_sid=call_sid) as call:
+            silence = np.zeros(160, np.float32)
+            for _ in range(25):
+                await call.play(silence)
+            return not call.closed.is_set()
+
+    async def main() -> list[bool]:
+        sim = TwilioSimulator(url, AUTH_TOKEN)
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+            offsets = [k * ARRIVAL_SPAN_S / ARRIVALS for k in range(ARRIVALS)]
+            return list(await asyncio.gather(*(arrive(sim, client, burst_at + o) for o in offsets)))
+
+    try:
+        results.put(asyncio.run(main()))
+    except BaseException as exc:
+        results.put(repr(exc))
+        raise
 
 
 async def test_a_burst_of_arrivals_leaves_the_calls_in_progress_whole():
     ctx = mp.get_context("spawn")
-    talking, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    talking, stop, results, arrivals = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
     with running_server("--twilio", "--max-sessions", str(LIVE + ARRIVALS), env=ENV) as server:
         callers = ctx.Process(target=live_callers, args=(server.url, talking, stop, results), daemon=True)
         callers.start()
+        burst = None
         try:
             assert await asyncio.to_thread(talking.wait, 60), "the live calls did not get going"
-            await asyncio.sleep(BEFORE_S)
-            sim = TwilioSimulator(server.url, AUTH_TOKEN)
-            limits = httpx.Limits(max_keepalive_connections=0)
-            async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as client:
-                burst_at = time.monotonic() + 0.05
-                offers = [
-                    arrive(sim, client, burst_at + k * ARRIVAL_SPAN_S / ARRIVALS) for k in range(ARRIVALS)
-                ]
-                arrived = await asyncio.gather(*offers)
-            assert all(arrived), arrived
-            await asyncio.sleep(AFTER_S)
+            burst_at = time.monotonic() + BEFORE_S  # the burst's process starts in well under that
+            burst = ctx.Process(target=burst_client, args=(server.url, burst_at, arrivals), daemon=True)
+            burst.start()
+            arrived = await asyncio.to_thread(arrivals.get, True, 60)
+            assert arrived == [True] * ARRIVALS, arrived
+            await asyncio.sleep(max(0.0, burst_at + ARRIVAL_SPAN_S + AFTER_S - time.monotonic()))
             stop.set()
             rows = await asyncio.to_thread(results.get, True, 60)
         finally:
             stop.set()
-            callers.join(30)
-            if callers.is_alive():
-                callers.kill()
+            for process in (callers, burst):
+                if process is not None:
+                    process.join(30)
+                    if process.is_alive():
+                        process.kill()
         assert isinstance(rows, list), rows
 
         auth = {"Authorization": f"Bearer {API_TOKEN}"}
@@ -191,10 +213,18 @@ async def test_a_burst_of_arrivals_leaves_the_calls_in_progress_whole():
             # What the caller heard: no silence of over 100 ms after our first message.
             heard = sorted(((round(gap, 3), round(at - burst_at, 2)) for at, gap in gaps), reverse=True)[:5]
             assert max((gap for _, gap in gaps), default=0.0) <= MAX_GAP_S, (heard, *why)
-            # Every second of its speech found in the echo at one delay: no silence was put in.
+            # Every second of its speech found in the echo at one delay: no silence was put in
+            # (unless the caller itself sent late: then a frame of its own may be).
             assert len(delays) >= BEFORE_S + AFTER_S - 1, (correlations, *why)
-            assert max(delays) - min(delays) < 0.040, (delays, correlations, *why)
-            assert not inserted, why
+            if not late_sends:
+                assert max(delays) - min(delays) < 0.040, (delays, correlations, *why)
+            # The server put no silence in of its own making: none for its own lateness (the
+            # playout), and none for input late at a tick but what the caller's own late sends
+            # explain (a machine that starves the simulated caller makes it late; that is the
+            # caller's loss, counted on its call, one frame at most per late send).
+            assert not inserted.get("playout_underrun"), why
+            assert inserted.get("late_input", 0.0) <= FRAME_MS * late_sends, why
+            assert set(inserted) <= {"playout_underrun", "late_input"}, why
 
 
 def final_record(url: str, call_sid: str, auth: dict[str, str]) -> dict:
