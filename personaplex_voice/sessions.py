@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from personaplex_voice.audio.framing import FrameBuffer
+from personaplex_voice.engine.arrivals import ArrivalConfig
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
     SAMPLE_RATE,
@@ -430,7 +431,8 @@ class SessionManager:
     frame_period_s, max_catchup_ticks); `cache_bytes` is the persona cache's budget (0: off).
     `headroom`: the saturation policy's knobs (engine/headroom.py; realtime managers only, None
     for the defaults); while the process has no real-time headroom, `open` without a ticket and
-    `reserve` raise `SaturatedError` and the sessions waiting in the queue are shed.
+    `reserve` raise `SaturatedError` and the sessions waiting in the queue are shed. `arrivals`:
+    how call set-up is paced on the transports' event loop (engine/arrivals.py; realtime only).
     """
 
     def __init__(
@@ -441,6 +443,7 @@ class SessionManager:
         cache_bytes: int = 1 << 30,
         clock: Clock | None = None,
         headroom: HeadroomConfig | None = None,
+        arrivals: ArrivalConfig | None = None,
         **options: Any,
     ):
         if config is not None and options:
@@ -457,6 +460,7 @@ class SessionManager:
             engine=scheduler.engine_load,
             active=lambda: scheduler.held_count + scheduler.reserved_count,
             retry_after_s=self.config.retry_after_s,
+            arrivals=arrivals if self.config.realtime else ArrivalConfig(enabled=False),
         )
         self.headroom.on_change(self._saturation_changed)
         self._shut_down = False  # open() does not restart a manager that was shut down

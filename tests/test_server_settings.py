@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from personaplex_voice import serve_command
+from personaplex_voice.engine.arrivals import ArrivalConfig
 from personaplex_voice.engine.headroom import HeadroomConfig
 from personaplex_voice.errors import UserError
 from personaplex_voice.process.settings import ServerSettings
@@ -66,6 +67,7 @@ def test_serve_flags_and_env_reach_the_settings(monkeypatch, tmp_path):
         "cache_bytes": 16 << 20,
         "start_burst_s": None,  # the scheduler's default (5 s)
         "headroom": HeadroomConfig(),  # saturation on, the documented levels
+        "arrivals": ArrivalConfig(),  # set-up paced behind the calls in progress
     }
     run = CliRunner().invoke(cli, ["--voice-dir", str(weights), "--voice-prompt-dir", str(tmp_path)])
     assert run.exit_code != 0 and "different directories" in str(run.exception)

@@ -155,9 +155,11 @@ class CallJournal:
         record.recording_s = recording_s
         snapshot = record.to_dict()
         files = self.files
-        if files is not None:
+        if files is None:
+            body = await asyncio.to_thread(_save_and_encode, files, snapshot, extra)
+        else:  # after the call's earlier writes, on their thread
             files.flush()
-        body = await asyncio.to_thread(_save_and_encode, files, snapshot, extra)
+            body = await asyncio.wrap_future(files.writer.submit(_save_and_encode, files, snapshot, extra))
         self.close(snapshot)
         return body
 
@@ -187,13 +189,15 @@ class CallJournal:
         if self._disk_lock is None:
             self._disk_lock = asyncio.Lock()
         async with self._disk_lock:
-            await asyncio.to_thread(self._load_change_write, change)
+            files = self.files
+            if files is not None:
+                await asyncio.wrap_future(files.writer.submit(self._load_change_write, change))
 
     def _load_change_write(self, change: Callable[[dict[str, Any]], Any]) -> None:
         full = self.store.load(self.call_id) if self.store is not None else None
         if full is not None and self.files is not None:
             change(full)
-            self.files.write_record(full)
+            self.files.write_record_now(full)
 
     def summary(self) -> dict[str, Any]:
         return self.ended if self.ended is not None else self.record.summary()
@@ -201,5 +205,5 @@ class CallJournal:
 
 def _save_and_encode(files: CallFiles | None, snapshot: dict[str, Any], extra: dict[str, Any]) -> bytes:
     if files is not None:
-        files.write_record(snapshot)
+        files.write_record_now(snapshot)
     return json.dumps({**snapshot, **extra}, separators=(",", ":")).encode()

@@ -13,7 +13,9 @@ frame as it is read (its text piece, its pcm), `on_sent` every payload with the 
 will start playing it (the recording's agent channel is placed there), `on_slip` every drop
 (the outbox over its bound) and every silence the caller heard because we were late (the
 carrier's buffer ran dry, then the cushion that refilled it): nothing is lost silently.
-`meter` times the conversion of each frame (the call's media path, engine/headroom.py).
+`meter` times the conversion of each frame (the call's media path, engine/headroom.py) and
+hears how late the pacer woke (the loop's gaps as this call lives them, a headroom signal).
+`now` is the clock (the loop's on a virtual-time test loop).
 
 Barge-in (`barge_in`, asked for by the stream when the caller starts talking over the agent):
 the pacer, the only writer, drops what it still holds and sends the carrier's `clear` before it
@@ -46,6 +48,8 @@ OnSlip = Callable[[bool, str, float], None]  # (dropped, not inserted; reason; s
 # to be heard, a caller who starts talking barges in.
 AUDIBLE_DB = -40.0
 _AUDIBLE_MS = 10 ** (AUDIBLE_DB / 10)  # the same as a mean square
+# The pacer woke this much later than it meant to: told to the headroom (a loop gap).
+WOKE_LATE_S = 0.005
 
 
 class SendFailed(Exception):
@@ -64,8 +68,10 @@ class Playout:
         on_sent: OnSent | None = None,
         meter: Any = None,
         on_slip: OnSlip | None = None,
+        now: Callable[[], float] = time.monotonic,
     ):
         self._send = send
+        self._now = now
         self._on_frame = on_frame
         self._on_sent = on_sent
         self._meter = meter  # a MediaMeter (`add(seconds)`), or None
@@ -135,7 +141,7 @@ class Playout:
 
     def cleared(self) -> None:
         """We sent `clear`: the carrier dropped what it held of ours."""
-        self.clock.cleared(time.monotonic())
+        self.clock.cleared(self._now())
         self.marks.drop_all()
         self._voiced_play_end = 0.0
 
@@ -154,7 +160,7 @@ class Playout:
         """Flow control: hold off sending (True) or go on (False)."""
         if paused == self._paused:
             return
-        now = time.monotonic()
+        now = self._now()
         self._paused = paused
         if paused:
             self.pauses += 1
@@ -182,7 +188,7 @@ class Playout:
         try:
             async for out in session.frames():
                 started = time.perf_counter()
-                self.jitter.frame(time.monotonic())
+                self.jitter.frame(self._now())
                 if self._on_frame is not None:
                     self._on_frame(out)
                 chunks = self.outbound.convert(out.pcm)
@@ -242,7 +248,7 @@ class Playout:
                     await self._send(mark)
                     self.marks.add(item, self.clock.sent_s)
                 continue
-            now = time.monotonic()
+            now = self._now()
             if self.clock.needs_prime(now):
                 if self.clock.started:
                     # The carrier ran dry: this call's engine frames come later than the cushion
@@ -257,11 +263,14 @@ class Playout:
             await self._send_chunk(item, voiced)
 
     async def _send_chunk(self, chunk: bytes, voiced: bool) -> None:
-        now = time.monotonic()
+        now = self._now()
         wait = self.clock.wait_before_send(now)
         if wait > 0:
+            due = now + wait
             await asyncio.sleep(wait)
-            now = time.monotonic()
+            now = self._now()
+            if now - due > WOKE_LATE_S and self._meter is not None:
+                self._meter.woke_late(now - due)
         if self._barge or self._paused:  # asked for while we waited: this one is not sent
             return
         await self._send(self.messages.media(chunk))  # type: ignore[union-attr]

@@ -11,6 +11,10 @@ control id, Plivo's CallUUID, Vonage's uuid, Exotel's CallSid):
 
 A server killed mid-call leaves a record.json that says "live": true, an events.jsonl and a WAV
 that are at most a second or two short; `load` puts them together (and says "interrupted").
+
+A call's writes never wait for the disk on the event loop that carries every call (a slow write
+there is a gap in every call's audio): its folder's `CallFiles` hands them, in order, to the
+store's one writer thread (`DiskWriter`).
 Retention: folders older than `max_age_s` go first, then the oldest until the total fits
 `max_bytes`; a live call's folder is never removed.
 """
@@ -23,10 +27,16 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +129,52 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     return short
 
 
-class CallFiles:
-    """One call's folder while the call runs: its pending events and its record file."""
+class DiskWriter:
+    """One thread that does a record store's writes, in the order they were handed over (a
+    call's record after its events, its last record after every earlier one).
 
-    def __init__(self, folder: Path):
+    Handing a write over costs the event loop an append, nothing more: the thread is not woken
+    per write (each wake-up would make the loop hand the GIL over mid-callback) but looks for
+    work every `interval_s`, so a record reaches the disk within that of being written."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self._jobs: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[..., T], *args: Any) -> Future[T]:
+        done: Future[T] = Future()
+        self._jobs.append((done, job, args))  # deque.append is atomic: no lock on the loop's side
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="personaplex-records", daemon=True)
+                    self._thread.start()
+        return done
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            while self._jobs:
+                done, job, args = self._jobs.popleft()
+                if not done.set_running_or_notify_cancel():
+                    continue
+                try:
+                    done.set_result(job(*args))
+                except BaseException as exc:  # the caller awaiting it hears it; others are logged
+                    done.set_exception(exc)
+                    log.warning("phone: a record write failed: %s", exc)
+
+
+class CallFiles:
+    """One call's folder while the call runs: its pending events and its record file. Writes go
+    to `writer` (in order); `write_record_now` is for code already on the writer's thread."""
+
+    def __init__(self, folder: Path, writer: DiskWriter | None = None):
         self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)  # now: a recording opens its file in it at once
+        self.writer = writer if writer is not None else DiskWriter()
         self._pending: list[str] = []
 
     @property
@@ -139,13 +189,13 @@ class CallFiles:
         if not self._pending:
             return
         lines, self._pending = self._pending, []
-        try:
-            with (self.folder / EVENTS).open("a", encoding="utf-8") as out:
-                out.write("\n".join(lines) + "\n")
-        except OSError as exc:
-            log.warning("phone: cannot write %s: %s", self.folder / EVENTS, exc)
+        self.writer.submit(_append_lines, self.folder / EVENTS, "\n".join(lines) + "\n")
 
     def write_record(self, record: dict[str, Any]) -> None:
+        """Rewrite the record (encoded now: the call goes on changing it)."""
+        self.writer.submit(_write_text_atomically, self.folder / RECORD, _encoded(record))
+
+    def write_record_now(self, record: dict[str, Any]) -> None:
         write_json_atomically(self.folder / RECORD, record)
 
 
@@ -162,11 +212,27 @@ def wav_seconds(path: Path) -> float:
     return max(0, size - 44) / (rate * 4) if rate > 0 else 0.0
 
 
+def _encoded(data: dict[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    _write_text_atomically(path, _encoded(data))
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("phone: cannot write %s: %s", path, exc)
+
+
+def _append_lines(path: Path, text: str) -> None:
+    try:
+        with path.open("a", encoding="utf-8") as out:
+            out.write(text)
     except OSError as exc:
         log.warning("phone: cannot write %s: %s", path, exc)
 
@@ -178,6 +244,7 @@ class RecordStore:
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
         self._last_sweep = 0.0
+        self.writer = DiskWriter()  # every call's writes, in order, off the event loop
 
     def folder(self, call_sid: str) -> Path:
         if not valid_sid(call_sid):
@@ -185,7 +252,7 @@ class RecordStore:
         return self.root / call_sid
 
     def open_call(self, call_sid: str) -> CallFiles:
-        return CallFiles(self.folder(call_sid))
+        return CallFiles(self.folder(call_sid), self.writer)
 
     def recording(self, call_sid: str) -> Path | None:
         if not valid_sid(call_sid):

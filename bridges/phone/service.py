@@ -431,6 +431,10 @@ class PhoneService:
         manager = self.manager
         if manager is None:
             raise self._busy(carrier.name, call_id, "loading")
+        try:  # set-up waits for its turn on the loop, behind the calls in progress
+            await manager.headroom.arrivals.turn(offer=True)
+        except SaturatedError:
+            raise self._busy(carrier.name, call_id, "saturated") from None
         if manager.headroom.refusing:  # no real-time headroom: the calls it carries come first
             raise self._busy(carrier.name, call_id, "saturated")
         if manager.available <= 0:  # full: no context lookup for a busy line

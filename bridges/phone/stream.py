@@ -437,6 +437,7 @@ class PhoneStream:
         try:
             if manager is None:
                 raise TicketError("the engine is not loaded")
+            await manager.headroom.arrivals.turn()  # behind the calls in progress (engine/arrivals.py)
             # The persona (its prompt rendered for this call) is the one our answer reserved the
             # slot for, carried by the ticket; the prompt itself goes in while the call starts.
             session = await manager.open(None, ticket=self.ticket)

@@ -188,16 +188,16 @@ class BlockResampler(StreamingResampler):
 
     def _matrix(self, first: int) -> np.ndarray:
         """[span, block] taps of a block whose first output is ``first`` (mod up): column i holds
-        output i's taps at the rows of its input window."""
+        output i's taps at the rows of its input window. Made once per process and shared (read
+        only) by every resampler of the same rates: a phone call's first frames then cost no
+        filter set-up (a burst of arriving calls shares the event loop with the calls talking)."""
         key = first % self._up
-        if key not in self._matrices:
-            up, down = self._up, self._down
-            offsets = [(key + i) * down // up - key * down // up for i in range(self._block)]
-            matrix = np.zeros((offsets[-1] + self._window, self._block), np.float64)
-            for i, offset in enumerate(offsets):
-                matrix[offset : offset + self._window, i] = self._taps_by_phase[(key + i) * down % up]
-            self._matrices[key] = matrix
-        return self._matrices[key]
+        matrix = self._matrices.get(key)
+        if matrix is None:
+            matrix = self._matrices[key] = _block_matrix(
+                self.in_rate, self.out_rate, self._block // self._up, key
+            )
+        return matrix
 
     def process(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, np.float64).reshape(-1)
@@ -227,6 +227,20 @@ class BlockResampler(StreamingResampler):
         self._history = buffer[len(buffer) - (self._window - 1) :]
         self._consumed, self._produced = consumed, total_out
         return out.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_matrix(in_rate: int, out_rate: int, block_inputs: int, key: int) -> np.ndarray:
+    """`BlockResampler._matrix` for these rates, block and phase (made once, then shared)."""
+    prototype = StreamingResampler(in_rate, out_rate)
+    up, down, window = prototype._up, prototype._down, prototype._window
+    block = block_inputs * up
+    offsets = [(key + i) * down // up - key * down // up for i in range(block)]
+    matrix = np.zeros((offsets[-1] + window, block), np.float64)
+    for i, offset in enumerate(offsets):
+        matrix[offset : offset + window, i] = prototype._taps_by_phase[(key + i) * down % up]
+    matrix.setflags(write=False)
+    return matrix
 
 
 def resample(x: np.ndarray, in_rate: int, out_rate: int) -> np.ndarray:

@@ -45,6 +45,7 @@ from personaplex_voice.cluster.placement import Candidate, choose_worker, person
 from personaplex_voice.cluster.procs import HopSamples, host_identity
 from personaplex_voice.cluster.remote_session import RemoteSession, RemoteSessionConfig
 from personaplex_voice.cluster.worker_link import Endpoint, EndpointResolver, Identity, WorkerLink
+from personaplex_voice.engine.arrivals import ArrivalConfig
 from personaplex_voice.engine.base import (
     FRAME_SIZE,
     SAMPLE_RATE,
@@ -138,7 +139,8 @@ class ClusterClient:
     (Ray discovery answers with the actor's new address after a restart). `add_discovery(fn)`
     runs `fn(client)` as a task from `start` (it adds and removes workers as it finds them).
     `realtime` must match the workers' mode (it sets the default input bound, as a manager's).
-    `headroom`: this front-end's saturation policy (None: the defaults; realtime only).
+    `headroom`: this front-end's saturation policy (None: the defaults; realtime only);
+    `arrivals`: how call set-up is paced on its event loop (engine/arrivals.py).
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class ClusterClient:
         peer_timeout_s: float = 3.0,
         fallback_name: str = "cluster",
         headroom: HeadroomConfig | None = None,
+        arrivals: ArrivalConfig | None = None,
     ):
         if max_input_s is None:
             max_input_s = default_max_input_s(realtime)
@@ -172,6 +175,7 @@ class ClusterClient:
             metrics_prefix="frontend_",
             retry_after_s=retry_after_s,
             name=f"front-end {frontend_id}",
+            arrivals=arrivals if realtime else ArrivalConfig(enabled=False),
         )
         self._headroom.on_change(self._saturation_changed)
         self.output_hops = HopSamples()

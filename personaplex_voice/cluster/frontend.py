@@ -51,6 +51,7 @@ def build_client(settings: ServerSettings, index: int, workers: list[str], secre
         max_queue=settings.max_queue,
         realtime=True,
         fallback_name=settings.model if settings.engine == "model" else "echo",
+        arrivals=settings.arrival_config(),
     )
     for spec in workers:
         worker_id, _, address = spec.partition("=")

@@ -3,13 +3,20 @@
 A realtime server owes every admitted call a frame every 80 ms and a media message every 20 ms.
 What it has left to give is measured where it is spent, by whoever spends it:
 
-- the event loop (every call's sockets, JSON, codecs and pacing): how late its timers fire (lag)
-  and how much of the wall clock it works (load: its thread's CPU, or the media path's wall time
+- the event loop (every call's sockets, JSON, codecs and pacing): how late its timers fire (lag:
+  the median of a second; stalls: the worst gaps, its own and each call's playout pacer's) and
+  how much of the wall clock it works (load: its thread's CPU, or the media path's wall time
   when that is more), sampled by `process.loop_monitor.LoopMonitor`;
 - the media path: transports time each message they handle (`MediaMeter`), per call and for the
   process;
-- the engine: its step time against the frame period, clock overruns, and the share of streaming
-  sessions a tick had to feed late silence (the scheduler's `EngineLoad`).
+- the engine: its step time against the frame period and clock overruns (the scheduler's
+  `EngineLoad`).
+
+Only the process's own lateness decides. How late callers *send* is theirs: a caller whose audio
+arrives late or in bursts (a poor mobile link, or on purpose) gets silence fed to the model and
+its late audio trimmed, counted per call (`late_input`, `jitter_buffer`), and the share of
+streaming sessions fed late silence is reported (`late_share`) but refuses nobody: five such
+callers must not shut the door on everyone else.
 
 `SaturationPolicy` (pure: a fake clock and made-up `Signals` test it exactly) decides from those:
 a signal over its *enter* level for its hold time makes the process saturated; it stays so until
@@ -21,7 +28,9 @@ gets there. While saturated or so
 refused, new calls are refused (`SaturatedError`), the calls already talking keep their line.
 
 `Headroom` is the one owner of a process's saturation state: it holds the samples, feeds the
-policy, and tells its host when the state changes. Knobs: `HeadroomConfig` (docs/capacity.md).
+policy, and tells its host when the state changes. It also owns the process's `ArrivalGate`
+(engine/arrivals.py), which paces call set-up behind the calls in progress. Knobs:
+`HeadroomConfig`, `ArrivalConfig` (docs/capacity.md).
 """
 
 from __future__ import annotations
@@ -34,8 +43,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from personaplex_voice.engine.arrivals import ArrivalConfig, ArrivalGate, wait_histogram
 from personaplex_voice.engine.base import SaturatedError
-from personaplex_voice.metrics import Counter, Gauge, InstrumentSet
+from personaplex_voice.metrics import Counter, Gauge, Histogram, InstrumentSet
 
 log = logging.getLogger("personaplex_voice.engine.headroom")
 
@@ -76,11 +86,14 @@ class HeadroomConfig:
     # `overrun_window_s`: this many saturate at once.
     overruns_enter: int = 2
     overrun_window_s: float = 5.0
-    # Share of streaming sessions fed late silence over the last second of ticks, counted only
-    # with at least `late_min_sessions` streaming (one caller's bad network is not the process).
-    late_share_enter: float = 0.5
-    late_share_exit: float = 0.2
-    late_share_hold_s: float = 1.0
+    # Stalls: the loop (or a call's playout pacer) woke more than `stall_s` late, a gap every
+    # call in progress hears (its carrier holds ~80 ms of our audio). This many stalls within
+    # `stall_window_s` saturate at once; one (a collection, a neighbour's burst) refuses nobody.
+    stall_s: float = 0.100
+    stalls_enter: int = 3
+    stall_window_s: float = 5.0
+    # Share of streaming sessions fed late silence (reported, never a reason to refuse: how late
+    # callers send is theirs), shown with at least this many streaming.
     late_min_sessions: int = 4
 
     def __post_init__(self) -> None:
@@ -88,7 +101,6 @@ class HeadroomConfig:
             ("loop_lag", self.loop_lag_enter_s, self.loop_lag_exit_s),
             ("loop_load", self.loop_load_enter, self.loop_load_exit),
             ("step_load", self.step_load_enter, self.step_load_exit),
-            ("late_share", self.late_share_enter, self.late_share_exit),
         )
         for name, enter, leave in pairs:
             if not 0 <= leave <= enter:
@@ -97,6 +109,8 @@ class HeadroomConfig:
                 )
         if self.window_s <= 0 or self.exit_hold_s < 0 or self.settle_s < self.window_s:
             raise ValueError("window_s must be > 0, exit_hold_s >= 0 and settle_s >= window_s")
+        if self.stall_s <= 0 or self.stalls_enter < 1 or self.stall_window_s <= 0:
+            raise ValueError("stall_s and stall_window_s must be > 0, stalls_enter >= 1")
 
 
 DISABLED = HeadroomConfig(enabled=False)
@@ -111,9 +125,11 @@ class Signals:
     loop_load: float | None = None
     step_load: float | None = None
     overruns: int = 0  # clock overruns within the overrun window
-    late_share: float | None = None
+    late_share: float | None = None  # reported only: the callers' lateness, not the process's
     active: int = 0  # calls this process carries now (reserved ones included)
     media_load: float | None = None  # the calls' media path alone, share of the wall clock
+    stalls: int = 0  # loop or playout gaps over `stall_s` within the stall window
+    worst_gap_s: float | None = None  # the longest loop or playout gap of the last window
 
 
 @dataclass(frozen=True)
@@ -153,7 +169,7 @@ class SaturationPolicy:
             _Rule("loop_load", config.loop_load_enter, config.loop_load_exit, config.loop_load_hold_s),
             _Rule("step_load", config.step_load_enter, config.step_load_exit, config.step_load_hold_s),
             _Rule("overruns", float(config.overruns_enter), 0.0, 0.0),
-            _Rule("late_share", config.late_share_enter, config.late_share_exit, config.late_share_hold_s),
+            _Rule("stalls", float(config.stalls_enter), 0.0, 0.0),
         )
         self.saturated = False
         self.reasons: tuple[str, ...] = ()
@@ -182,7 +198,7 @@ class SaturationPolicy:
             "loop_load": signals.loop_load,
             "step_load": signals.step_load,
             "overruns": float(signals.overruns),
-            "late_share": signals.late_share,
+            "stalls": float(signals.stalls),
         }
         over: list[str] = []
         calm = True
@@ -259,7 +275,10 @@ class HeadroomMetrics(InstrumentSet):
     loop_load: Gauge
     media_load: Gauge
     step_load: Gauge
+    worst_gap: Gauge
     saturations: Counter
+    arrival_wait: Histogram
+    arrivals_waiting: Gauge
 
     @classmethod
     def create(cls, prefix: str = "") -> HeadroomMetrics:
@@ -278,7 +297,15 @@ class HeadroomMetrics(InstrumentSet):
             step_load=Gauge(
                 prefix + "engine_step_load", "Engine step time over the frame period (p90, last 2 s)"
             ),
+            worst_gap=Gauge(
+                prefix + "loop_worst_gap_seconds",
+                "The longest the event loop or a call's playout pacer woke late (last second)",
+            ),
             saturations=Counter(prefix + "saturations_total", "Times the process became saturated"),
+            arrival_wait=wait_histogram(prefix),
+            arrivals_waiting=Gauge(
+                prefix + "arrivals_waiting", "Call set-up steps waiting for their turn on the event loop"
+            ),
         )
 
 
@@ -302,6 +329,11 @@ class MediaMeter:
         if self._headroom is not None:
             self._headroom.add_media(seconds)
 
+    def woke_late(self, seconds: float) -> None:
+        """The call's playout pacer woke `seconds` after it meant to (its loop was busy)."""
+        if self._headroom is not None:
+            self._headroom.note_gap(seconds)
+
     def summary(self, call_s: float) -> dict[str, float]:
         """Per call: media-path ms per second of call, and the costliest message's ms."""
         per_s = 1000 * self.seconds / call_s if call_s > 0 else 0.0
@@ -310,24 +342,31 @@ class MediaMeter:
 
 @dataclass
 class _LoopWindow:
-    """The loop monitor's samples over the last window: (time, lag), (time, load, media load)."""
+    """The loop monitor's samples over the last window: (time, lag, worst gap), (time, load,
+    media load); and the stalls (time, gap) of the last stall window."""
 
-    lags: deque[tuple[float, float]] = field(default_factory=deque)
+    lags: deque[tuple[float, float, float]] = field(default_factory=deque)
     loads: deque[tuple[float, float, float]] = field(default_factory=deque)
+    stalls: deque[tuple[float, float]] = field(default_factory=deque)
 
-    def trim(self, now: float, window_s: float) -> None:
+    def trim(self, now: float, window_s: float, stall_window_s: float) -> None:
         for samples in (self.lags, self.loads):
             while samples and now - samples[0][0] > window_s:
                 samples.popleft()
+        while self.stalls and now - self.stalls[0][0] > stall_window_s:
+            self.stalls.popleft()
 
 
 class Headroom:
     """The one owner of a process's saturation state (see the module docstring).
 
-    Fed from any thread: `note_loop` (the loop monitor), `add_media` (transports, via their
-    `MediaMeter`), `admitted` (the host, per call admitted); `engine` and `active` are read when
-    it evaluates. `check()` raises `SaturatedError` while new calls are refused; `on_change`
-    callbacks hear each change of the measured state (the host sheds its queue, the log says so).
+    Fed from any thread: `note_loop` (the loop monitor), `add_media` and `note_gap`
+    (transports, via their `MediaMeter`), `admitted` (the host, per call admitted); `engine` and
+    `active` are read when it evaluates. `check()` raises `SaturatedError` while new calls are
+    refused; `on_change` callbacks hear each change of the measured state (the host sheds its
+    queue, the log says so). `arrivals` is the process's set-up gate (engine/arrivals.py): it
+    paces set-up whether or not the policy is on, and refuses offers that waited too long only
+    while it is.
     """
 
     def __init__(
@@ -340,6 +379,7 @@ class Headroom:
         metrics_prefix: str = "",
         retry_after_s: float = 5.0,
         name: str = "this server",
+        arrivals: ArrivalConfig | None = None,
     ):
         self.config = config if config is not None else HeadroomConfig()
         self.name = name
@@ -353,10 +393,18 @@ class Headroom:
         self._window = _LoopWindow()
         self._media_total = 0.0  # media-path seconds so far (written by transports, lock-free)
         self._media_seen = 0.0  # `_media_total` at the last loop sample
+        self._gap = 0.0  # the worst playout gap reported since the last loop sample (lock-free)
         self._overruns: deque[tuple[float, int]] = deque()
         self._evaluated_at: float | None = None
         self._listeners: list[Callable[[bool, Verdict], None]] = []
         self.signals = Signals()
+        self.arrivals = ArrivalGate(
+            arrivals,
+            refusing=lambda: self.config.enabled,
+            wait=self.metrics.arrival_wait,
+            waiting=self.metrics.arrivals_waiting,
+            retry_after_s=retry_after_s,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -367,8 +415,11 @@ class Headroom:
     def note_loop(self, lag_s: float, busy: float) -> None:
         """One loop sample: the timer's lag, and the share of the interval the loop's thread was
         on the CPU. The media path's wall time since the last sample counts when it is more
-        (time blocked in a call's message handling is the loop's too)."""
+        (time blocked in a call's message handling is the loop's too). The sample's gap is the
+        longer of its lag and the worst a call's playout pacer woke late since the last sample;
+        one over `stall_s` is a stall (a run of such samples, one stall)."""
         now = self._now()
+        config = self.config
         with self._lock:
             window = self._window
             media, self._media_seen = self._media_total - self._media_seen, self._media_total
@@ -377,13 +428,23 @@ class Headroom:
                 media_load = media / interval if interval > 0 else 0.0
             else:
                 media_load = 0.0
-            window.lags.append((now, max(0.0, lag_s)))
+            lag = max(0.0, lag_s)
+            gap, self._gap = max(lag, self._gap), 0.0
+            stalled_before = bool(window.lags) and window.lags[-1][2] > config.stall_s
+            if gap > config.stall_s and not stalled_before:
+                window.stalls.append((now, gap))
+            window.lags.append((now, lag, gap))
             window.loads.append((now, max(busy, media_load, 0.0), media_load))
-            window.trim(now, self.config.window_s)
+            window.trim(now, config.window_s, config.stall_window_s)
 
     def add_media(self, seconds: float) -> None:
         # A lost update between two loops' threads costs a message's time in one sample: no lock.
         self._media_total += seconds
+
+    def note_gap(self, seconds: float) -> None:
+        """A call's playout pacer woke `seconds` late (kept until the next loop sample)."""
+        if seconds > self._gap:
+            self._gap = seconds
 
     def meter(self) -> MediaMeter:
         """A call's media-path meter, adding to this process's."""
@@ -450,6 +511,9 @@ class Headroom:
             "engine_step_load": _rounded(signals.step_load),
             "late_share": _rounded(signals.late_share),
             "overruns": signals.overruns,
+            "worst_gap_ms": _rounded(signals.worst_gap_s, 1000, 1),
+            "stalls": signals.stalls,
+            "arrivals_waiting": self.arrivals.waiting,
         }
 
     # ---- internals (callers hold `_lock`) -------------------------------------------------------
@@ -457,9 +521,10 @@ class Headroom:
     def _signals(self, now: float) -> Signals:
         config = self.config
         window = self._window
-        window.trim(now, config.window_s)
-        lags = sorted(lag for _, lag in window.lags)
+        window.trim(now, config.window_s, config.stall_window_s)
+        lags = sorted(lag for _, lag, _ in window.lags)
         loop_lag = lags[len(lags) // 2] if lags else None
+        worst_gap = max((gap for _, _, gap in window.lags), default=None)
         loads = window.loads
         loop_load = sum(load for _, load, _ in loads) / len(loads) if loads else None
         media_load = sum(media for _, _, media in loads) / len(loads) if loads else None
@@ -474,7 +539,17 @@ class Headroom:
             overruns = engine.overruns - self._overruns[0][1]
             if engine.ticks and engine.streaming_frames >= config.late_min_sessions * engine.ticks:
                 late_share = engine.late_frames / engine.streaming_frames
-        return Signals(loop_lag, loop_load, step_load, overruns, late_share, self._active(), media_load)
+        return Signals(
+            loop_lag,
+            loop_load,
+            step_load,
+            overruns,
+            late_share,
+            self._active(),
+            media_load,
+            stalls=len(window.stalls),
+            worst_gap_s=worst_gap,
+        )
 
     def _log_change(self, verdict: Verdict, signals: Signals) -> None:
         described = ", ".join(
@@ -486,8 +561,16 @@ class Headroom:
                 ),
                 ("loop load", f"{signals.loop_load:.2f}" if signals.loop_load is not None else None),
                 ("engine step load", f"{signals.step_load:.2f}" if signals.step_load is not None else None),
-                ("late share", f"{signals.late_share:.2f}" if signals.late_share is not None else None),
                 ("overruns", str(signals.overruns) if signals.overruns else None),
+                ("stalls", str(signals.stalls) if signals.stalls else None),
+                (
+                    "worst gap",
+                    f"{1000 * signals.worst_gap_s:.0f} ms" if signals.worst_gap_s is not None else None,
+                ),
+                (
+                    "late share (callers')",
+                    f"{signals.late_share:.2f}" if signals.late_share is not None else None,
+                ),
             )
             if value is not None
         )
@@ -512,6 +595,7 @@ class Headroom:
         metrics.loop_load.set(signals.loop_load or 0.0)
         metrics.media_load.set(signals.media_load or 0.0)
         metrics.step_load.set(signals.step_load or 0.0)
+        metrics.worst_gap.set(signals.worst_gap_s or 0.0)
 
 
 def _rounded(value: float | None, scale: float = 1.0, digits: int = 3) -> float | None:

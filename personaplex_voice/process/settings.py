@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from personaplex_voice.engine.arrivals import ArrivalConfig
 from personaplex_voice.engine.headroom import HeadroomConfig
 from personaplex_voice.process.http_guard import HttpLimits
 
@@ -90,6 +91,9 @@ class ServerSettings(BaseSettings):
     saturation_loop_lag_ms: float = Field(20.0, gt=0)  # the loop's timer lag, median of a second
     saturation_step_load: float = Field(0.85, gt=0)  # engine step over the frame period, p90
     saturation_exit_hold_s: float = Field(3.0, ge=0)  # every signal back under its exit level this long
+    # Call set-up takes turns on the event loop behind the calls in progress (engine/arrivals.py):
+    # a burst of arrivals waits rather than stalls every call talking. `False` only to measure it.
+    arrival_pacing: bool = True
     # -- cluster (docs/cluster.md): front-end processes and engine workers; all 0/empty = one process
     # Front-end processes on the one port, each with every transport (0 = the embedded server).
     workers: int = Field(0, ge=0, le=256)
@@ -169,7 +173,12 @@ class ServerSettings(BaseSettings):
             "cache_bytes": round(self.persona_cache_mb * (1 << 20)),
             "start_burst_s": self.start_burst_s,
             "headroom": self.headroom_config(),
+            "arrivals": self.arrival_config(),
         }
+
+    def arrival_config(self) -> ArrivalConfig:
+        """How call set-up is paced on the event loop (docs/capacity.md)."""
+        return ArrivalConfig(enabled=self.arrival_pacing)
 
     def headroom_config(self) -> HeadroomConfig:
         """The saturation policy these settings ask for (the exit levels sit below the enter

@@ -175,6 +175,7 @@ class ChatConnection:
         self.params = check_request(self.state, self.settings, self.ws.headers, self.ws.query_params)
         host: SessionHost = self.state.host
         try:
+            await host.headroom.arrivals.turn(offer=True)  # behind the calls in progress
             self.session = await host.open(self.params.persona())
         except SaturatedError as exc:
             raise saturated_refusal(exc) from None

@@ -80,6 +80,9 @@ log = logging.getLogger("personaplex_voice.engine.scheduler")
 # A prefill that got no chunk for this many ticks in a row (the engine's steps leave no room in
 # the frame period) gets one anyway: joining callers are slowed down, never starved.
 PREFILL_STARVE_TICKS = 4
+# A session's first second of streaming (in frames) is its start-up: late input then is its
+# caller's audio finding its phase against the ticks, not lateness (`engine_load` leaves it out).
+STARTUP_FRAMES = 12
 # The idle thread wakes at least this often (tickets expire within it of their TTL).
 HOUSEKEEPING_S = 0.5
 
@@ -151,6 +154,8 @@ class Scheduler:
         # Thread-only state below.
         self._prefills: dict[int, _Prefill] = {}  # slot -> prefill in progress, oldest first
         self._chunk_seconds: deque[float] = deque(maxlen=8)  # recent prefill chunk durations
+        self._join_seconds: deque[float] = deque(maxlen=8)  # recent joins (restore or prefill start)
+        self._joined_since_tick = 0
         self._want_input = False  # the thread waits for pushes
         self._want_room = False  # the thread waits for consumers (lossless mode)
         self._pcm_in = np.zeros((n, FRAME_SIZE), np.float32)
@@ -531,7 +536,10 @@ class Scheduler:
                     self._next_tick = next_tick
                 if now < next_tick:
                     with self.cond:
-                        if not self._ops and not self._stopping and not self._prefill_fits(next_tick):
+                        idle = not self._ops or (
+                            self._joined_since_tick > 0 and not self._join_fits(next_tick)
+                        )
+                        if idle and not self._stopping and not self._prefill_fits(next_tick):
                             clock.wait(self.cond, next_tick - now)
                     if clock.now() < next_tick:
                         continue  # woke early for a join/close or prefill work: do it, then wait again
@@ -539,6 +547,7 @@ class Scheduler:
             elif not self._wait_for_inputs(running):
                 continue
             self._tick()
+            self._joined_since_tick = 0
             if config.realtime:
                 assert next_tick is not None
                 next_tick += config.frame_period_s
@@ -562,7 +571,7 @@ class Scheduler:
     def _control(self, deadline: float | None) -> None:
         """Between ticks: carry out the slot operations in order, run prefill chunks while they
         fit before `deadline`, end sessions past their limits, expire tickets."""
-        self._apply_ops()
+        self._apply_ops(deadline=deadline)
         self._run_prefills(deadline)
         self._catch_up(deadline)
         self._enforce_limits()
@@ -571,10 +580,16 @@ class Scheduler:
 
     # ---- slot operations and joins ---------------------------------------------------------------------
 
-    def _apply_ops(self, releases_only: bool = False) -> None:
+    def _apply_ops(self, releases_only: bool = False, deadline: float | None = None) -> None:
+        """The slot operations, in order. Before `deadline` (the next tick), joins after the first
+        only while one more fits by the slowest recent join (a persona cache copy, a prefill's
+        start): a burst of callers joining at once never holds up the tick of those talking.
+        One join per tick goes whatever it costs (joining callers are slowed, never starved)."""
         while True:
             with self.cond:
                 if not self._ops:
+                    return
+                if self._joined_since_tick and deadline is not None and not self._join_fits(deadline):
                     return
                 op = self._ops.popleft()
             if op.kind == "release":
@@ -583,7 +598,18 @@ class Scheduler:
                     del self._prefills[op.slot]  # closed while joining: abandon its prefill
                 self._safe_release(op.slot)
             elif not releases_only:
+                t0 = self.clock.elapsed()
                 self._join(op.record, op.slot)
+                self._join_seconds.append(self.clock.elapsed() - t0)
+                self._joined_since_tick += 1
+
+    def _join_fits(self, deadline: float) -> bool:
+        """The next slot operation is a release, or a join that ends before `deadline` with a
+        tenth of the frame period to spare, by the slowest of the recent joins."""
+        if self._ops and self._ops[0].kind == "release":
+            return True
+        slowest = max(self._join_seconds, default=0.0)
+        return self.clock.now() + slowest < deadline - 0.1 * self.config.frame_period_s
 
     def _safe_release(self, slot: int) -> None:
         try:
@@ -766,20 +792,24 @@ class Scheduler:
             return
         pcm = self._pcm_in
         pcm.fill(0.0)
-        late = trimmed = streaming = 0
+        late = late_settled = trimmed = settled_streaming = 0
         for record in running:
             stream = record.stream
             was_streaming = _streaming(stream)
-            streaming += was_streaming
+            # The engine's report of late input leaves out a session's first second: its
+            # caller's audio is still finding its phase against the ticks.
+            settled = was_streaming and stream.frames_out() >= STARTUP_FRAMES
+            settled_streaming += settled
             frame = stream.take_frame()
             if frame is not None:
                 pcm[record.slot] = frame
             else:  # silence: late for a session that was streaming, lead-in before its first frame
                 stream.count_silence(was_streaming)
                 late += was_streaming
+                late_settled += settled
             if config.realtime and _streaming(stream):
                 trimmed += stream.trim_spare(config.input_slack_frames, config.input_settle_ticks)
-        self._recent_late.append((late, streaming))
+        self._recent_late.append((late_settled, settled_streaming))
         if late:  # (audio_inserted counts them once the caller's audio resumes: SlotStream)
             self.metrics.late_frames.inc(late)
         if trimmed:

@@ -187,6 +187,7 @@ async def open_call(
         raise Refusal("bad_offer", str(exc), CLOSE_POLICY, http_status=400) from None
     host: SessionHost = state.host
     try:
+        await host.headroom.arrivals.turn(offer=True)  # behind the calls in progress (as /api/chat)
         session = await host.open(params.persona())
     except SaturatedError as exc:
         raise saturated_refusal(exc) from None
